@@ -18,7 +18,7 @@ from sklearn.utils import check_random_state
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, validate_data
 
-from ._likelihoods import LINK_APPROXIMATIONS, CategoricalLikelihood, predictive_proba
+from ._likelihoods import LINK_APPROXIMATIONS, predictive_proba
 from ._linearize import LinearizedNet
 from ._net import is_pretrained, resolve_net
 from ._utils import (
@@ -42,16 +42,20 @@ class FitData:
     lin : LinearizedNet
     X : Tensor (n, n_features) in the network's dtype, on ``device``
     y : Tensor, float64 (n, C) targets for regression, int64 (n,) class indices
+    X_val, y_val : Tensor or None
+        Validation data given to ``fit`` (same formats), if any.
     n_outputs : int
     device : torch.device
     seed : int
     generator : torch.Generator seeded from ``random_state`` (on ``device``)
     """
 
-    def __init__(self, lin, X, y, n_outputs, device, seed):
+    def __init__(self, lin, X, y, n_outputs, device, seed, X_val=None, y_val=None):
         self.lin = lin
         self.X = X
         self.y = y
+        self.X_val = X_val
+        self.y_val = y_val
         self.n_outputs = n_outputs
         self.device = device
         self.seed = seed
@@ -146,6 +150,20 @@ class LaplaceRegressorMixin(RegressorMixin, _LaplaceBase):
         self : object
             The fitted estimator.
         """
+        return self._fit(X, y)
+
+    def _encode_val(self, validation_data, lin):
+        if validation_data is None:
+            return None, None
+        Xv, yv = _split_validation(validation_data)
+        Xv = validate_data(self, Xv, reset=False, dtype=np.float64)
+        yv = np.asarray(yv, dtype=np.float64).reshape(len(Xv), -1)
+        if yv.shape[1] != self.n_outputs_ or not np.isfinite(yv).all():
+            raise ValueError("validation_data targets must be finite with the shape of y")
+        return (as_tensor(Xv, lin.dtype, lin.device),
+                torch.as_tensor(yv, dtype=torch.float64, device=lin.device))
+
+    def _fit(self, X, y, validation_data=None):
         device = self._check_params()
         X, y = validate_data(
             self, X, y, multi_output=True, y_numeric=True, ensure_min_samples=2,
@@ -165,7 +183,7 @@ class LaplaceRegressorMixin(RegressorMixin, _LaplaceBase):
         self.linearized_net_ = lin
         self.n_outputs_ = C
         yt = torch.as_tensor(y2, dtype=torch.float64, device=device)
-        data = FitData(lin, Xt, yt, C, device, seed)
+        data = FitData(lin, Xt, yt, C, device, seed, *self._encode_val(validation_data, lin))
         self.posterior_ = self._fit_posterior(data)
         self.prior_variance_ = float(self.posterior_.prior_variance)
         self.noise_variance_ = float(self.posterior_.noise_variance)
@@ -272,6 +290,29 @@ class LaplaceClassifierMixin(ClassifierMixin, _LaplaceBase):
         -------
         self : object
         """
+        return self._fit(X, y)
+
+    def _encode_labels(self, y):
+        classes = self.classes_
+        sorter = np.argsort(classes)
+        pos = np.clip(np.searchsorted(classes, y, sorter=sorter), 0, len(classes) - 1)
+        y_enc = sorter[pos]
+        if not np.array_equal(classes[y_enc], y):
+            raise ValueError("y contains labels unknown to the network's classes")
+        return y_enc
+
+    def _encode_val(self, validation_data, lin):
+        if validation_data is None:
+            return None, None
+        Xv, yv = _split_validation(validation_data)
+        Xv = validate_data(self, Xv, reset=False, dtype=np.float64)
+        yv = np.asarray(yv)
+        if yv.shape != (len(Xv),):
+            raise ValueError("validation_data labels must have shape (n_val,)")
+        return (as_tensor(Xv, lin.dtype, lin.device),
+                torch.as_tensor(self._encode_labels(yv), dtype=torch.long, device=lin.device))
+
+    def _fit(self, X, y, validation_data=None):
         device = self._check_params()
         X, y = validate_data(self, X, y, ensure_min_samples=2, dtype=np.float64)
         check_classification_targets(y)
@@ -296,12 +337,8 @@ class LaplaceClassifierMixin(ClassifierMixin, _LaplaceBase):
                     f"the network outputs {C} logits but y has {len(classes)} classes; the "
                     "net's output size must match the number of classes"
                 )
-        sorter = np.argsort(classes)
-        pos = np.clip(np.searchsorted(classes, y, sorter=sorter), 0, len(classes) - 1)
-        y_enc = sorter[pos]
-        if not np.array_equal(classes[y_enc], y):
-            raise ValueError("y contains labels unknown to the network's classes")
         self.classes_ = classes
+        y_enc = self._encode_labels(y)
         if not pretrained:
             resolved, lin, Xt, C, seed = self._resolve(X, y_enc, len(classes), device)
             if C != len(classes):
@@ -312,7 +349,7 @@ class LaplaceClassifierMixin(ClassifierMixin, _LaplaceBase):
         self.linearized_net_ = lin
         self.n_outputs_ = C
         yt = torch.as_tensor(y_enc, dtype=torch.long, device=device)
-        data = FitData(lin, Xt, yt, C, device, seed)
+        data = FitData(lin, Xt, yt, C, device, seed, *self._encode_val(validation_data, lin))
         self.posterior_ = self._fit_posterior(data)
         self.prior_variance_ = float(self.posterior_.prior_variance)
         self._predict_seed = seed
@@ -350,8 +387,13 @@ class LaplaceClassifierMixin(ClassifierMixin, _LaplaceBase):
         -------
         y_pred : ndarray of shape (n_samples,) with labels from ``classes_``.
         """
-        return self.classes_[np.argmax(self.predict_proba(X), axis=1)]
+        proba = self.predict_proba(X)
+        return self.classes_[np.argmax(proba, axis=1)]
 
 
-# Re-exported for method modules: the categorical likelihood has no parameters.
-CATEGORICAL = CategoricalLikelihood()
+def _split_validation(validation_data):
+    try:
+        Xv, yv = validation_data
+    except (TypeError, ValueError) as exc:
+        raise TypeError("validation_data must be a pair (X_val, y_val)") from exc
+    return Xv, yv

@@ -82,18 +82,33 @@ class LinearizedNet:
         if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
             raise TypeError(f"network parameters must share one floating dtype, got {dtypes}")
         self.dtype = next(iter(dtypes))
+        self.structured = structured
+        self._build_chain()
+
+    def _build_chain(self):
         self.chain = None
         self._chain_checked = False
-        if structured and output_transform == "identity":
+        if self.structured and self.output_transform == "identity":
             try:
                 from ._structured import StructuredChain
             except ImportError:  # pragma: no cover
                 StructuredChain = None
             if StructuredChain is not None:
                 try:
-                    self.chain = StructuredChain.from_module(mod)
+                    self.chain = StructuredChain.from_module(self.module)
                 except Exception:  # tracing is best effort; fall back to torch.func
                     self.chain = None
+
+    def __getstate__(self):
+        # The traced chain holds closures that do not pickle; it is rebuilt on load.
+        state = self.__dict__.copy()
+        state.pop("chain", None)
+        state.pop("_chain_checked", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._build_chain()
 
     # ------------------------------------------------------------------ basics
     def _g(self, params, x):
