@@ -317,27 +317,49 @@ class LinearizedNet:
         return self.vjp(x, cot)
 
     def kernel(self, X1: torch.Tensor, X2: torch.Tensor | None = None,
-               n_outputs: int | None = None, dtype=torch.float64) -> torch.Tensor:
-        """Full NTK Gram matrix over all outputs, assembled block by block.
+               n_outputs: int | None = None, dtype=torch.float64,
+               out1: torch.Tensor | None = None, out2: torch.Tensor | None = None) -> torch.Tensor:
+        """Full NTK Gram matrix, assembled block by block.
 
-        Returns a ``(n1 * C, n2 * C)`` matrix (rows ordered ``b * C + c``) in ``dtype``.
-        Each block's Jacobian rows fit in the chunk budget, so memory beyond the result
-        stays bounded.
+        Without ``out1``/``out2`` the rows are all outputs of every point (ordered
+        ``b * C + c``), giving a ``(n1 * C, n2 * C)`` matrix; with them, one row per
+        point (the gradient of output ``out[b]``). Each block's Jacobian rows fit in
+        the chunk budget, so memory beyond the result stays bounded.
         """
         C = n_outputs or self.n_outputs(X1)
-        step = self.chunk_size(C) if self.chain is None else 4096
         same = X2 is None
-        X2 = X1 if same else X2
+        if same:
+            X2, out2 = X1, out1
+        r1 = 1 if out1 is not None else C
+        r2 = 1 if out2 is not None else C
+        step = self.chunk_size(C) if self.chain is None else 4096
         n1, n2 = X1.shape[0], X2.shape[0]
-        out = torch.empty((n1 * C, n2 * C), dtype=dtype, device=self.device)
+        out = torch.empty((n1 * r1, n2 * r2), dtype=dtype, device=self.device)
+
+        def sel(o, s):
+            return None if o is None else o[s]
+
         for i in range(0, n1, step):
             si = slice(i, min(i + step, n1))
             for j in range(0, n2, step):
                 if same and j < i:
                     continue
                 sj = slice(j, min(j + step, n2))
-                blk = self.ntk(X1[si]) if (same and i == j) else self.ntk(X1[si], X2[sj])
-                out[si.start * C:si.stop * C, sj.start * C:sj.stop * C] = blk.to(dtype)
+                if same and i == j:
+                    blk = self.ntk(X1[si], None, sel(out1, si))
+                else:
+                    blk = self.ntk(X1[si], X2[sj], sel(out1, si), sel(out2, sj))
+                out[si.start * r1:si.stop * r1, sj.start * r2:sj.stop * r2] = blk.to(dtype)
                 if same and j > i:
-                    out[sj.start * C:sj.stop * C, si.start * C:si.stop * C] = blk.T.to(dtype)
+                    out[sj.start * r2:sj.stop * r2, si.start * r1:si.stop * r1] = blk.T.to(dtype)
         return out
+
+    def ntk_diag_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-point NTK blocks ``J(x_b) J(x_b)^T`` of shape (B, C, C)."""
+        if self._use_chain(x):
+            with torch.no_grad():
+                return self.chain.features(self.params, self.buffers, x).diag_blocks()
+        out = []
+        for _, J in self.jacobian_chunks(x, self.n_outputs(x)):
+            out.append(J @ J.transpose(1, 2))
+        return torch.cat(out)

@@ -371,6 +371,24 @@ class StructuredJacobian:
             out = dn if out is None else out.add_(dn)
         return out.reshape(-1)
 
+    def diag_blocks(self) -> Tensor:
+        """Per-point blocks of :meth:`gram` (the rows of one point against each other).
+
+        Returns
+        -------
+        Tensor of shape (n_points, rows_per_point, rows_per_point)
+        """
+        B, k = self.n_points, self.rows_per_point
+        out = None
+        for layer in self.layers:
+            an = layer.act.pow(2).sum(-1)
+            if layer.has_bias:
+                an = an + 1.0
+            d = layer.delta.view(B, k, -1)
+            blk = (d @ d.transpose(1, 2)).mul_(an[:, None, None])
+            out = blk if out is None else out.add_(blk)
+        return out
+
     def vjp(self, U: Tensor) -> dict[str, Tensor]:
         """``J^T U`` per parameter, never forming Jacobian rows.
 
