@@ -4,6 +4,8 @@ Linearized Laplace approximations (exact LLA and its scalable successors) behind
 scikit-learn estimator API.
 """
 
+from . import metrics
+from .ella import ELLAClassifier, ELLARegressor
 from .exact import LLAClassifier, LLARegressor
 
 __version__ = "0.1.0.dev0"
@@ -11,4 +13,7 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "LLARegressor",
     "LLAClassifier",
+    "ELLARegressor",
+    "ELLAClassifier",
+    "metrics",
 ]
