@@ -82,8 +82,11 @@ def _topk_eigh(Kt: torch.Tensor, k: int):
 
 
 def nystrom_basis(lin, X: torch.Tensor, n_outputs: int, n_nystrom: int, n_components: int,
-                  generator: torch.Generator, chunk: int = 4096):
+                  generator: torch.Generator, chunk: int = 4096, pairs=None):
     """Draw the Nystrom pairs and build the parameter-space basis ``V``.
+
+    ``pairs=(point_idx, output_idx)`` uses the given pairs instead of drawing them
+    (to reproduce another implementation's basis in tests).
 
     Returns
     -------
@@ -96,12 +99,15 @@ def nystrom_basis(lin, X: torch.Tensor, n_outputs: int, n_nystrom: int, n_compon
     """
     N, C = X.shape[0], n_outputs
     n_pairs = N * C
-    if n_nystrom >= n_pairs:
-        flat = torch.arange(n_pairs, device=X.device)
+    if pairs is not None:
+        idx, out = (torch.as_tensor(p, dtype=torch.long, device=X.device) for p in pairs)
     else:
-        flat = torch.randperm(n_pairs, generator=generator, device=generator.device)[:n_nystrom]
-        flat = flat.to(X.device)
-    idx, out = flat // C, flat % C
+        if n_nystrom >= n_pairs:
+            flat = torch.arange(n_pairs, device=X.device)
+        else:
+            flat = torch.randperm(n_pairs, generator=generator, device=generator.device)
+            flat = flat[:n_nystrom].to(X.device)
+        idx, out = flat // C, flat % C
     Xm = X[idx]
     Kt = lin.kernel(Xm, n_outputs=C, out1=out)
     lam, U = _topk_eigh(Kt, n_components)
@@ -216,12 +222,25 @@ class ELLAPosterior:
         return scores
 
     # ----------------------------------------------------------------- fitting
-    def fit(self, lin, X, y, n_outputs, generator, X_val=None, y_val=None):
-        """Build the basis, then stream the training data to accumulate ``G``."""
+    def fit(self, lin, X, y, n_outputs, generator, X_val=None, y_val=None, pairs=None):
+        """Build the basis, then stream the training data to accumulate ``G``.
+
+        Parameters
+        ----------
+        lin : LinearizedNet
+        X, y : Tensor
+            Training data (regression targets (N, C) float64; class indices (N,)).
+        n_outputs : int
+        generator : torch.Generator
+        X_val, y_val : Tensor, optional
+            Validation data (required for early stopping / ``"auto"``).
+        pairs : tuple of index tensors, optional
+            Fixed Nystrom pairs (see :func:`nystrom_basis`).
+        """
         C = n_outputs
         N = X.shape[0]
         self.V, self.lam, self.pairs = nystrom_basis(
-            lin, X, C, self.n_nystrom, self.n_components, generator)
+            lin, X, C, self.n_nystrom, self.n_components, generator, pairs=pairs)
         K = self.lam.shape[0]
         self.n_components_used = K
         theta = lin.flat_params().double()
