@@ -36,6 +36,11 @@ from ._base import LaplaceClassifierMixin, LaplaceRegressorMixin
 from ._likelihoods import CategoricalLikelihood, GaussianLikelihood
 from ._utils import safe_cholesky
 
+try:
+    from tqdm.auto import tqdm
+except ImportError:  # pragma: no cover
+    tqdm = None
+
 __all__ = ["LLAPosterior", "LLARegressor", "LLAClassifier", "log_marginal_likelihood"]
 
 #: Largest ``min(P, N*C)`` the exact estimators accept (a dense float64 matrix that
@@ -160,10 +165,11 @@ class LLAPosterior:
         The evidence at the selected hyperparameters.
     """
 
-    def __init__(self, prior_variance="auto", noise_variance=None, space="auto"):
+    def __init__(self, prior_variance="auto", noise_variance=None, space="auto", verbose=0):
         self.prior_variance = prior_variance
         self.noise_variance = noise_variance
         self.space = space
+        self.verbose = verbose
 
     # ----------------------------------------------------------------- fitting
     def fit(self, lin, X, y, n_outputs):
@@ -185,7 +191,11 @@ class LLAPosterior:
         self._A = A
         if self.space == "parameter":
             G = torch.zeros((P, P), dtype=torch.float64, device=f.device)
-            for sl, J in lin.jacobian_chunks(X, C):
+            chunks = lin.jacobian_chunks(X, C)
+            if self.verbose and tqdm is not None:
+                chunks = tqdm(chunks, total=-(-N // lin.chunk_size(C)), leave=False,
+                              desc="LLA: accumulating the GGN")
+            for sl, J in chunks:
                 Phi = torch.einsum("bck,bcp->bkp", A[sl], J.double()).reshape(-1, P)
                 G.addmm_(Phi.T, Phi)
             eig = torch.linalg.eigvalsh(G)
@@ -275,6 +285,7 @@ _COMMON_DOC = """
     random_state : int, RandomState instance or None, default=None
         Seeds training of a default / unfitted net (and ``mc`` sampling).
     verbose : int, default=0
+        ``>= 1`` shows a progress bar while the parameter-space GGN is accumulated.
 """
 
 
@@ -325,7 +336,7 @@ class LLARegressor(LaplaceRegressorMixin):
         self.verbose = verbose
 
     def _fit_posterior(self, data):
-        post = LLAPosterior(self.prior_variance, self.noise_variance, self.space)
+        post = LLAPosterior(self.prior_variance, self.noise_variance, self.space, self.verbose)
         post.fit(data.lin, data.X, data.y, data.n_outputs)
         self.log_marginal_likelihood_ = post.log_marginal_likelihood
         self.space_ = post.space
@@ -366,7 +377,7 @@ class LLAClassifier(LaplaceClassifierMixin):
         self.verbose = verbose
 
     def _fit_posterior(self, data):
-        post = LLAPosterior(self.prior_variance, None, self.space)
+        post = LLAPosterior(self.prior_variance, None, self.space, self.verbose)
         post.fit(data.lin, data.X, data.y, data.n_outputs)
         self.log_marginal_likelihood_ = post.log_marginal_likelihood
         self.space_ = post.space
