@@ -157,7 +157,12 @@ class LaplaceRegressorMixin(RegressorMixin, _LaplaceBase):
             return None, None
         Xv, yv = _split_validation(validation_data)
         Xv = validate_data(self, Xv, reset=False, dtype=np.float64)
-        yv = np.asarray(yv, dtype=np.float64).reshape(len(Xv), -1)
+        yv = np.asarray(yv, dtype=np.float64)
+        if len(yv) != len(Xv):
+            raise ValueError(
+                f"validation_data has {len(Xv)} inputs but {len(yv)} targets"
+            )
+        yv = yv.reshape(len(Xv), -1)
         if yv.shape[1] != self.n_outputs_ or not np.isfinite(yv).all():
             raise ValueError("validation_data targets must be finite with the shape of y")
         return (as_tensor(Xv, lin.dtype, lin.device),
@@ -308,7 +313,9 @@ class LaplaceClassifierMixin(ClassifierMixin, _LaplaceBase):
         Xv = validate_data(self, Xv, reset=False, dtype=np.float64)
         yv = np.asarray(yv)
         if yv.shape != (len(Xv),):
-            raise ValueError("validation_data labels must have shape (n_val,)")
+            raise ValueError(
+                f"validation_data labels must have shape ({len(Xv)},), got {yv.shape}"
+            )
         return (as_tensor(Xv, lin.dtype, lin.device),
                 torch.as_tensor(self._encode_labels(yv), dtype=torch.long, device=lin.device))
 

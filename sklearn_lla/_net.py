@@ -248,11 +248,12 @@ def resolve_net(net, task: str, X: np.ndarray, y: np.ndarray, n_outputs: int, se
         params = list(skorch_net.module_.parameters())
         dtype = params[0].dtype if params else torch.float32
         np_dtype = np.float64 if dtype == torch.float64 else np.float32
-        X_fit = np.asarray(X, dtype=np_dtype)
+        # Copies: skorch would otherwise wrap read-only (memmap) input in tensors.
+        X_fit = np.array(X, dtype=np_dtype, copy=True)
         if task == "regression":
-            y_fit = np.asarray(y, dtype=np_dtype)
+            y_fit = np.array(y, dtype=np_dtype, copy=True)
         else:
-            y_fit = np.asarray(y, dtype=np.int64)
+            y_fit = np.array(y, dtype=np.int64, copy=True)
         # partial_fit trains max_epochs without re-initialising the module above.
         skorch_net.partial_fit(X_fit, y_fit)
     transform = _classifier_transform(skorch_net) if task == "classification" else "identity"

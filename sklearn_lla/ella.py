@@ -211,10 +211,14 @@ class ELLAPosterior:
                 d = 1.0 / (e * scale + n_ratio / s0)
                 if self.regression:
                     var = (PQ.pow(2) * d).sum(-1) + s2  # (B, C)
+                    if self._res_val is not None:
+                        var = var + s0 * torch.diagonal(self._res_val, dim1=1, dim2=2)
                     nll = 0.5 * (torch.log(2 * math.pi * var) + (y - g) ** 2 / var)
                     scores[i, j] = float(nll.sum(-1).mean())
                 else:
                     cov = torch.einsum("bck,k,bdk->bcd", PQ, d, PQ)
+                    if self._res_val is not None:
+                        cov = cov + s0 * self._res_val
                     p = predictive_proba(g, cov, "probit")
                     lp = torch.log(p.gather(1, y.view(-1, 1)).clamp_min(1e-300))
                     scores[i, j] = float(-lp.mean())
@@ -253,6 +257,10 @@ class ELLAPosterior:
         if need_val:
             self._g_val, self._phi_val = self.features(lin, X_val)
             self._y_val = y_val
+            self._res_val = None
+            if self.residual:
+                r = lin.ntk_diag_blocks(X_val).double() - self._phi_val @ self._phi_val.transpose(1, 2)
+                self._res_val = 0.5 * (r + r.transpose(1, 2))
             if self.regression:
                 base_s2 = float(((y_val - self._g_val) ** 2).mean().clamp_min(1e-12))
         s0_grid = (base_s0 * np.asarray(self.prior_grid) if self.prior_variance == "auto"
@@ -306,7 +314,7 @@ class ELLAPosterior:
                 self.history.append((n_seen, float(scores[i, j])))
             else:
                 s0, s2 = s0_grid[0], s2_grid[0]
-        for name in ("_g_val", "_phi_val", "_y_val"):
+        for name in ("_g_val", "_phi_val", "_y_val", "_res_val"):
             self.__dict__.pop(name, None)
         self.G_lik = G_lik
         self.n_seen = n_seen
@@ -361,6 +369,11 @@ def _check_ella_params(est):
 class _ELLAMixin:
     """Shared fit logic: validation hold-out and the posterior."""
 
+    def _check_params(self):
+        device = super()._check_params()
+        _check_ella_params(self)
+        return device
+
     def fit(self, X, y, validation_data=None):
         """Fit ELLA.
 
@@ -385,7 +398,6 @@ class _ELLAMixin:
         return bool(self.early_stopping or auto)
 
     def _fit_posterior(self, data):
-        _check_ella_params(self)
         X, y, X_val, y_val = data.X, data.y, data.X_val, data.y_val
         if self._needs_validation() and X_val is None:
             N = X.shape[0]
