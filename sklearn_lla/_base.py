@@ -187,7 +187,7 @@ class LaplaceRegressorMixin(RegressorMixin, _LaplaceBase):
         self.net_ = resolved.net
         self.linearized_net_ = lin
         self.n_outputs_ = C
-        yt = torch.as_tensor(y2, dtype=torch.float64, device=device)
+        yt = torch.tensor(y2, dtype=torch.float64, device=device)  # copies (read-only input)
         data = FitData(lin, Xt, yt, C, device, seed, *self._encode_val(validation_data, lin))
         self.posterior_ = self._fit_posterior(data)
         self.prior_variance_ = float(self.posterior_.prior_variance)
