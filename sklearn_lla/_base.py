@@ -98,7 +98,7 @@ class _LaplaceBase(BaseEstimator):
             C = lin.n_outputs(Xt)
         except Exception as exc:
             raise ValueError(
-                f"the network could not be evaluated on X with {X.shape[1]} features: {exc}"
+                f"the network could not be evaluated on X with {X.shape[1]} feature(s): {exc}"
             ) from exc
         return resolved, lin, Xt, C, seed
 
@@ -336,9 +336,18 @@ class LaplaceClassifierMixin(ClassifierMixin, _LaplaceBase):
         if pretrained:
             resolved, lin, Xt, C, seed = self._resolve(X, None, None, device)
             net_classes = resolved.classes
-            if (net_classes is not None and len(net_classes) == C
-                    and np.isin(labels, net_classes).all()):
-                classes = np.asarray(net_classes)
+            if net_classes is not None and len(net_classes) == C:
+                known = np.isin(labels, net_classes)
+                if known.all():
+                    classes = np.asarray(net_classes)
+                elif known.any():
+                    raise ValueError(
+                        f"y contains labels {labels[~known].tolist()} unknown to the "
+                        "pretrained network, which was trained on classes "
+                        f"{np.asarray(net_classes).tolist()}"
+                    )
+                # No overlap at all (e.g. string labels for a net trained on 0..C-1):
+                # the sorted labels map to the logits by position.
             if C != len(classes):
                 raise ValueError(
                     f"the network outputs {C} logits but y has {len(classes)} classes; the "
