@@ -15,7 +15,7 @@ demo: install
 
 ## Set everything up and run the test suite
 test: install
-	$(PY) -m pytest -n 2 -m "not slow" tests
+	$(PY) -m pytest -n 2 -m "not slow" --doctest-modules sklearn_lla tests
 
 test-slow: install
 	$(PY) -m pytest -m slow tests

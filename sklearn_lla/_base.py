@@ -31,7 +31,14 @@ from ._utils import (
     torch_seed,
 )
 
-__all__ = ["LaplaceRegressorMixin", "LaplaceClassifierMixin", "FitData"]
+__all__ = ["LaplaceRegressorMixin", "LaplaceClassifierMixin", "FitData", "NET_PARAM_DOC"]
+
+#: numpydoc entry of the ``net`` parameter, shared by every estimator's docstring.
+NET_PARAM_DOC = """
+    net : None, skorch net, FrozenEstimator or torch.nn.Module, default=None
+        The network. ``None`` trains a small tanh MLP (MAP, weight decay) in ``fit``;
+        a fitted skorch net, ``FrozenEstimator(net)`` or an ``nn.Module`` is used as it
+        is and never modified; an unfitted skorch net is trained in ``fit``."""
 
 
 class FitData:

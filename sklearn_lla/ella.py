@@ -31,7 +31,7 @@ import warnings
 import numpy as np
 import torch
 
-from ._base import LaplaceClassifierMixin, LaplaceRegressorMixin
+from ._base import NET_PARAM_DOC, LaplaceClassifierMixin, LaplaceRegressorMixin
 from ._likelihoods import CategoricalLikelihood, predictive_proba
 from ._utils import check_positive_int, iter_batches
 
@@ -421,11 +421,7 @@ class _ELLAMixin:
         return post
 
 
-_ELLA_DOC = """
-    net : None, skorch net, FrozenEstimator or torch.nn.Module, default=None
-        The network. ``None`` trains a small tanh MLP (MAP, weight decay) in ``fit``;
-        a fitted skorch net, ``FrozenEstimator(net)`` or an ``nn.Module`` is used as it
-        is and never modified; an unfitted skorch net is trained in ``fit``.
+_ELLA_DOC = NET_PARAM_DOC + """
     n_nystrom : int, default=2000
         ``M``, the number of (point, output) pairs of the Nystrom approximation
         (all ``N * C`` pairs when larger).
@@ -463,7 +459,8 @@ _ELLA_DOC = """
 
 
 class ELLARegressor(_ELLAMixin, LaplaceRegressorMixin):
-    """ELLA regression: Nystrom-accelerated linearized Laplace.
+    __doc__ = (
+        """ELLA regression: Nystrom-accelerated linearized Laplace.
 
     Parameters
     ----------""" + _ELLA_DOC + """    noise_variance : float or "auto", default="auto"
@@ -492,6 +489,7 @@ class ELLARegressor(_ELLAMixin, LaplaceRegressorMixin):
     >>> reg = ELLARegressor(n_nystrom=100, n_components=10, random_state=0).fit(X, y)
     >>> mean, std = reg.predict(X[:2], return_std=True)
     """
+    )
 
     def __init__(self, net=None, *, n_nystrom=2000, n_components=20, prior_variance="auto",
                  noise_variance="auto", early_stopping=False, validation_fraction=0.1,
@@ -514,7 +512,8 @@ class ELLARegressor(_ELLAMixin, LaplaceRegressorMixin):
 
 
 class ELLAClassifier(_ELLAMixin, LaplaceClassifierMixin):
-    """ELLA classification: Nystrom-accelerated linearized Laplace.
+    __doc__ = (
+        """ELLA classification: Nystrom-accelerated linearized Laplace.
 
     Parameters
     ----------""" + _ELLA_DOC + """    link_approx : {"probit", "mc", "bridge"}, default="probit"
@@ -532,6 +531,7 @@ class ELLAClassifier(_ELLAMixin, LaplaceClassifierMixin):
     net_ : object
     n_features_in_ : int
     """
+    )
 
     def __init__(self, net=None, *, n_nystrom=2000, n_components=20, prior_variance="auto",
                  early_stopping=False, validation_fraction=0.1, search_freq=1000,

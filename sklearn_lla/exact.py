@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from scipy.optimize import minimize
 
-from ._base import LaplaceClassifierMixin, LaplaceRegressorMixin
+from ._base import NET_PARAM_DOC, LaplaceClassifierMixin, LaplaceRegressorMixin
 from ._likelihoods import CategoricalLikelihood, GaussianLikelihood
 from ._utils import safe_cholesky
 
@@ -268,11 +268,7 @@ def _sandwich(A, K):
     return out.reshape(N * C, N * C)
 
 
-_COMMON_DOC = """
-    net : None, skorch net, FrozenEstimator or torch.nn.Module, default=None
-        The network. ``None`` trains a small tanh MLP (MAP, weight decay) in ``fit``;
-        a fitted skorch net, ``FrozenEstimator(net)`` or an ``nn.Module`` is used as it
-        is and never modified; an unfitted skorch net is trained in ``fit``.
+_COMMON_DOC = NET_PARAM_DOC + """
     prior_variance : float or "auto", default="auto"
         ``s0^2`` of the isotropic Gaussian prior. ``"auto"`` maximises the Laplace log
         marginal likelihood.
@@ -290,7 +286,8 @@ _COMMON_DOC = """
 
 
 class LLARegressor(LaplaceRegressorMixin):
-    """Exact linearized Laplace regression (GGN, float64 dense algebra).
+    __doc__ = (
+        """Exact linearized Laplace regression (GGN, float64 dense algebra).
 
     The reference implementation for small problems (``min(P, N*n_targets)`` up to
     20,000): every approximate method is tested against it.
@@ -323,6 +320,7 @@ class LLARegressor(LaplaceRegressorMixin):
     >>> mean.shape, std.shape
     ((3,), (3,))
     """
+    )
 
     def __init__(self, net=None, *, prior_variance="auto", noise_variance="auto", space="auto",
                  device="auto", batch_size=256, random_state=None, verbose=0):
@@ -344,7 +342,8 @@ class LLARegressor(LaplaceRegressorMixin):
 
 
 class LLAClassifier(LaplaceClassifierMixin):
-    """Exact linearized Laplace classification (GGN, float64 dense algebra).
+    __doc__ = (
+        """Exact linearized Laplace classification (GGN, float64 dense algebra).
 
     Parameters
     ----------""" + _COMMON_DOC + """    link_approx : {"probit", "mc", "bridge"}, default="probit"
@@ -362,6 +361,7 @@ class LLAClassifier(LaplaceClassifierMixin):
     posterior_ : LLAPosterior
     n_features_in_ : int
     """
+    )
 
     def __init__(self, net=None, *, prior_variance="auto", space="auto", link_approx="probit",
                  n_samples_predict=512, device="auto", batch_size=256, random_state=None,
