@@ -248,6 +248,11 @@ class _LayerFactor:
     def has_bias(self) -> bool:
         return self.bias_name is not None
 
+    def act_sq_norm(self) -> Tensor:
+        """``|a(x)|^2 (+1 for the bias)`` per point: the input side of a row's norm."""
+        an = self.act.pow(2).sum(-1)
+        return an + 1.0 if self.has_bias else an
+
 
 class StructuredJacobian:
     """Compact, exact representation of Jacobian rows of a :class:`StructuredChain`.
@@ -364,10 +369,7 @@ class StructuredJacobian:
         B, k = self.n_points, self.rows_per_point
         out = None
         for layer in self.layers:
-            an = layer.act.pow(2).sum(-1)
-            if layer.has_bias:
-                an = an + 1.0
-            dn = layer.delta.pow(2).sum(-1).view(B, k) * an[:, None]
+            dn = layer.delta.pow(2).sum(-1).view(B, k) * layer.act_sq_norm()[:, None]
             out = dn if out is None else out.add_(dn)
         return out.reshape(-1)
 
@@ -381,11 +383,8 @@ class StructuredJacobian:
         B, k = self.n_points, self.rows_per_point
         out = None
         for layer in self.layers:
-            an = layer.act.pow(2).sum(-1)
-            if layer.has_bias:
-                an = an + 1.0
             d = layer.delta.view(B, k, -1)
-            blk = (d @ d.transpose(1, 2)).mul_(an[:, None, None])
+            blk = (d @ d.transpose(1, 2)).mul_(layer.act_sq_norm()[:, None, None])
             out = blk if out is None else out.add_(blk)
         return out
 

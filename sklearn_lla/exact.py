@@ -34,7 +34,7 @@ from scipy.optimize import minimize
 
 from ._base import NET_PARAM_DOC, LaplaceClassifierMixin, LaplaceRegressorMixin
 from ._likelihoods import CategoricalLikelihood, GaussianLikelihood
-from ._utils import safe_cholesky
+from ._utils import iter_batches, safe_cholesky
 
 try:
     from tqdm.auto import tqdm
@@ -178,7 +178,7 @@ class LLAPosterior:
         self.space = _choose_space(self.space, P, N * C)
         theta = lin.flat_params().double()
         theta_sq = float(theta @ theta)
-        f = torch.cat([lin.forward(X[sl]) for sl in _slices(N, 4096)]).double()
+        f = torch.cat([lin.forward(X[sl]) for sl in iter_batches(N, 4096)]).double()
         if regression:
             # Unit-noise factor: Lam = I / s2 is applied after the evidence step.
             A = torch.eye(C, dtype=torch.float64, device=f.device).expand(N, C, C)
@@ -253,10 +253,6 @@ class LLAPosterior:
         idx = torch.arange(B, device=cov.device)
         blocks = cov.reshape(B, C, B, C)[idx, :, idx, :]
         return mean, blocks
-
-
-def _slices(n, step):
-    return [slice(i, min(i + step, n)) for i in range(0, n, step)]
 
 
 def _sandwich(A, K):

@@ -111,14 +111,14 @@ def _train(net, X, y, seed):
     return net
 
 
-def make_skorch_regressor(n_features, n_outputs, hidden=(16,), max_epochs=100, **kw):
+def _make_skorch(cls, criterion, n_features, n_outputs, hidden, max_epochs, kw):
     params = dict(
         module=MLP,
         module__n_features=n_features,
         module__n_outputs=n_outputs,
         module__hidden_layer_sizes=hidden,
         module__dtype=torch.float64,
-        criterion=nn.MSELoss,
+        criterion=criterion,
         optimizer=torch.optim.Adam,
         lr=1e-2,
         optimizer__weight_decay=1e-4,
@@ -127,26 +127,17 @@ def make_skorch_regressor(n_features, n_outputs, hidden=(16,), max_epochs=100, *
         verbose=0,
     )
     params.update(kw)
-    return skorch.NeuralNetRegressor(**params)
+    return cls(**params)
+
+
+def make_skorch_regressor(n_features, n_outputs, hidden=(16,), max_epochs=100, **kw):
+    return _make_skorch(skorch.NeuralNetRegressor, nn.MSELoss, n_features, n_outputs, hidden,
+                        max_epochs, kw)
 
 
 def make_skorch_classifier(n_features, n_classes, hidden=(16,), max_epochs=100, **kw):
-    params = dict(
-        module=MLP,
-        module__n_features=n_features,
-        module__n_outputs=n_classes,
-        module__hidden_layer_sizes=hidden,
-        module__dtype=torch.float64,
-        criterion=nn.CrossEntropyLoss,
-        optimizer=torch.optim.Adam,
-        lr=1e-2,
-        optimizer__weight_decay=1e-4,
-        max_epochs=max_epochs,
-        train_split=None,
-        verbose=0,
-    )
-    params.update(kw)
-    return skorch.NeuralNetClassifier(**params)
+    return _make_skorch(skorch.NeuralNetClassifier, nn.CrossEntropyLoss, n_features, n_classes,
+                        hidden, max_epochs, kw)
 
 
 @pytest.fixture(scope="session")
