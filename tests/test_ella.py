@@ -544,6 +544,16 @@ def _prior_grid(module):
     return float(theta @ theta) / theta.numel() * np.logspace(-4, 4, 33)
 
 
+def _brute_force_val_nll(reg, grid, **kw):
+    """Validation NLL of ELLA refitted with each fixed prior variance of ``grid``."""
+    nll = []
+    for s0 in grid:
+        ref = _ella_reg(reg.module, prior_variance=float(s0), **kw).fit(reg.X, reg.y)
+        mu, sd = ref.predict(reg.X_val, return_std=True)
+        nll.append(gaussian_nll(reg.y_val, mu, sd))
+    return nll
+
+
 def test_auto_prior_variance_minimises_validation_nll(reg):
     # validation inputs a little wider than the training range, s2 fixed above the
     # true noise: the validation NLL of ELLA then has an interior minimum over the
@@ -552,11 +562,7 @@ def test_auto_prior_variance_minimises_validation_nll(reg):
     est = _ella_reg(reg.module, prior_variance="auto", **kw)
     est.fit(reg.X, reg.y, validation_data=(reg.X_val, reg.y_val))
     grid = _prior_grid(reg.module)
-    nll = []
-    for s0 in grid:
-        ref = _ella_reg(reg.module, prior_variance=float(s0), **kw).fit(reg.X, reg.y)
-        mu, sd = ref.predict(reg.X_val, return_std=True)
-        nll.append(gaussian_nll(reg.y_val, mu, sd))
+    nll = _brute_force_val_nll(reg, grid, **kw)
     best = int(np.argmin(nll))
     assert 0 < best < len(grid) - 1, "the brute-force optimum should be interior"
     assert est.prior_variance_ == pytest.approx(grid[best], rel=1e-12)
@@ -586,11 +592,7 @@ def test_auto_prior_with_residual_correction_minimises_validation_nll(reg):
     est = _ella_reg(reg.module, prior_variance="auto", **kw)
     est.fit(reg.X, reg.y, validation_data=(reg.X_val, reg.y_val))
     grid = _prior_grid(reg.module)
-    nll = []
-    for s0 in grid:
-        ref = _ella_reg(reg.module, prior_variance=float(s0), **kw).fit(reg.X, reg.y)
-        mu, sd = ref.predict(reg.X_val, return_std=True)
-        nll.append(gaussian_nll(reg.y_val, mu, sd))
+    nll = _brute_force_val_nll(reg, grid, **kw)
     assert est.prior_variance_ == pytest.approx(grid[int(np.argmin(nll))], rel=1e-12)
 
 
