@@ -1,7 +1,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test test-slow test-all examples bench clean
+# What `make lint` (and so `make test`) checks with ruff; rules in pyproject.toml.
+LINT_PATHS := sklearn_lla tests benchmarks examples
+
+.PHONY: install demo lint test test-slow test-all examples bench clean
 
 install: $(VENV)/.installed
 
@@ -13,15 +16,20 @@ $(VENV)/.installed: pyproject.toml scripts/install.sh
 demo: install
 	MPLBACKEND=Agg $(PY) examples/quickstart.py
 
-## Set everything up and run the test suite
-test: install
+## Lint with ruff (the rules are in pyproject.toml)
+lint: install
+	$(PY) -m ruff check $(LINT_PATHS)
+
+## Set everything up, lint, then run the test suite, doctests and docstring checks included
+test: install lint
 	$(PY) -m pytest -n 2 -m "not slow" --doctest-modules sklearn_lla tests
 
+## Only the tests marked slow; succeeds when there are none (pytest exits 5: no tests)
 test-slow: install
-	$(PY) -m pytest -m slow tests
+	$(PY) -m pytest -m slow tests || [ $$? -eq 5 ]
 
-test-all: install
-	$(PY) -m pytest -n 2 tests
+test-all: install lint
+	$(PY) -m pytest -n 2 --doctest-modules sklearn_lla tests
 
 examples: install
 	MPLBACKEND=Agg $(PY) examples/quickstart.py

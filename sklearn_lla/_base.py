@@ -1,129 +1,80 @@
 """The scikit-learn skin shared by every estimator.
 
-A method module provides a *posterior*: a plain torch object built by
-``_fit_posterior`` whose ``predict(lin, x, full_cov=False)`` returns the network
-outputs ``g(x)`` of shape (B, C) and the latent covariance ``S(x)`` (B, C, C), or the
-joint (B*C, B*C) covariance with ``full_cov=True``. Everything else lives here once:
-parameter and input validation, resolving and checking the network, devices and
-seeding, label encoding, batching, and the public ``predict`` / ``predict_proba`` /
-``sample_y`` built on (mean, cov).
+A method provides a :class:`~sklearn_lla._protocol.Posterior` through
+``_make_posterior(likelihood)``; everything else lives here once: parameter and
+input validation, resolving and checking the network, devices and seeding, label
+encoding, the validation data policy, atomic refits, per-batch streaming with
+preallocated outputs, and the public ``predict`` / ``predict_proba`` / ``sample_y``
+built on the posterior's :class:`~sklearn_lla._protocol.LatentPredictive`.
+
+Validation data (for ``"auto"`` hyperparameters that use the ``validation``
+strategy, and for early stopping) is, in order of preference: the
+``validation_data`` passed to ``fit``; rows held out from the network's own training
+when ``fit`` trains it (``net=None`` or an unfitted skorch net); otherwise none, and
+the methods fall back to their training-data criterion (e.g. the evidence).
 """
 
 from __future__ import annotations
+
+from numbers import Integral, Real
 
 import numpy as np
 import torch
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin, clone
 from sklearn.utils import check_random_state
+from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, validate_data
 
-from ._likelihoods import LINK_APPROXIMATIONS, predictive_proba
+from ._likelihoods import Bernoulli, Categorical, Gaussian, point_normals, row_keys
 from ._linearize import LinearizedNet
 from ._net import is_pretrained, resolve_net
-from ._utils import (
-    as_tensor,
-    check_positive_int,
-    check_positive_or_auto,
-    iter_batches,
-    resolve_device,
-    safe_cholesky,
-    torch_seed,
-)
+from ._protocol import FitData, to_batch
+from ._utils import resolve_device, safe_cholesky, torch_seed
 
-__all__ = ["LaplaceRegressorMixin", "LaplaceClassifierMixin", "FitData", "NET_PARAM_DOC"]
+__all__ = ["LaplaceRegressorMixin", "LaplaceClassifierMixin"]
 
-#: numpydoc entry of the ``net`` parameter, shared by every estimator's docstring.
-NET_PARAM_DOC = """
-    net : None, skorch net, FrozenEstimator or torch.nn.Module, default=None
-        The network. ``None`` trains a small tanh MLP (MAP, weight decay) in ``fit``;
-        a fitted skorch net, ``FrozenEstimator(net)`` or an ``nn.Module`` is used as it
-        is and never modified; an unfitted skorch net is trained in ``fit``."""
+#: Inputs are validated into one of these dtypes (float32 stays float32).
+_FLOAT_DTYPES = (np.float64, np.float32)
+
+#: Fewest training rows from which ``validation_fraction`` rows are held out.
+_MIN_ROWS_FOR_HOLDOUT = 20
+
+_COMMON_CONSTRAINTS = {
+    "net": "no_validation",
+    "prior_variance": [Interval(Real, 0, None, closed="neither"), StrOptions({"auto"})],
+    "validation_fraction": [Interval(Real, 0, 1, closed="neither")],
+    "trainable_only": ["boolean"],
+    "device": [str, torch.device],
+    "batch_size": [Interval(Integral, 1, None, closed="left")],
+    "random_state": ["random_state"],
+    "verbose": ["verbose"],
+}
 
 
-class FitData:
-    """What ``_fit_posterior`` receives.
-
-    Attributes
-    ----------
-    lin : LinearizedNet
-    X : Tensor (n, n_features) in the network's dtype, on ``device``
-    y : Tensor, float64 (n, C) targets for regression, int64 (n,) class indices
-    X_val, y_val : Tensor or None
-        Validation data given to ``fit`` (same formats), if any.
-    n_outputs : int
-    device : torch.device
-    seed : int
-    generator : torch.Generator seeded from ``random_state`` (on ``device``)
-    """
-
-    def __init__(self, lin, X, y, n_outputs, device, seed, X_val=None, y_val=None):
-        self.lin = lin
-        self.X = X
-        self.y = y
-        self.X_val = X_val
-        self.y_val = y_val
-        self.n_outputs = n_outputs
-        self.device = device
-        self.seed = seed
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+def _split_validation(validation_data):
+    try:
+        Xv, yv = validation_data
+    except (TypeError, ValueError) as exc:
+        raise TypeError("validation_data must be a pair (X_val, y_val)") from exc
+    return Xv, yv
 
 
 class _LaplaceBase(BaseEstimator):
-    """Validation, net resolution and batching common to regressors and classifiers."""
+    """Validation, net resolution, fitting and batching common to every estimator."""
 
     _task = None  # "regression" | "classification"
 
     # -- cloning ------------------------------------------------------------
     def __sklearn_clone__(self):
         # sklearn.clone would turn a fitted skorch net into an unfitted one (it
-        # re-instantiates its module): keep a pretrained net as it is instead, so a
+        # re-instantiates its module): keep a pretrained net as it is, so that a
         # GridSearchCV over prior_variance never retrains it. Sharing is safe: the
         # estimators never modify a pretrained net.
         params = self.get_params(deep=False)
-        new = {
-            k: (v if k == "net" and is_pretrained(v) else clone(v, safe=False))
-            for k, v in params.items()
-        }
+        new = {k: (v if k == "net" and is_pretrained(v) else clone(v, safe=False))
+               for k, v in params.items()}
         return type(self)(**new)
-
-    # -- parameter checks ----------------------------------------------------
-    def _check_common_params(self):
-        check_positive_or_auto(self.prior_variance, "prior_variance")
-        check_positive_int(self.batch_size, "batch_size")
-        if not isinstance(self.verbose, (int, np.integer)) or isinstance(self.verbose, bool):
-            raise TypeError(f"verbose must be an integer, got {self.verbose!r}")
-        return resolve_device(self.device)
-
-    # -- fitting ---------------------------------------------------------------
-    def _resolve(self, X, y_net, n_outputs, device):
-        seed = torch_seed(self.random_state)
-        resolved = resolve_net(self.net, self._task, X, y_net, n_outputs, seed, device)
-        lin = LinearizedNet(resolved.module, device, resolved.output_transform)
-        Xt = as_tensor(X, lin.dtype, device)
-        try:
-            C = lin.n_outputs(Xt)
-        except Exception as exc:
-            raise ValueError(
-                f"the network could not be evaluated on X with {X.shape[1]} feature(s): {exc}"
-            ) from exc
-        return resolved, lin, Xt, C, seed
-
-    def _predict_latent(self, X, full_cov: bool = False):
-        """Validated ``X`` -> (mean (n, C), cov) as float64 tensors on the CPU."""
-        check_is_fitted(self, "posterior_")
-        X = validate_data(self, X, reset=False, dtype=np.float64)
-        lin = self.linearized_net_
-        Xt = as_tensor(X, lin.dtype, lin.device)
-        if full_cov:
-            mean, cov = self.posterior_.predict(lin, Xt, full_cov=True)
-            return mean.double().cpu(), cov.double().cpu()
-        means, covs = [], []
-        for sl in iter_batches(Xt.shape[0], self.batch_size):
-            m, c = self.posterior_.predict(lin, Xt[sl])
-            means.append(m.double().cpu())
-            covs.append(c.double().cpu())
-        return torch.cat(means), torch.cat(covs)
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
@@ -131,18 +82,178 @@ class _LaplaceBase(BaseEstimator):
         tags.non_deterministic = False
         return tags
 
+    # -- hooks for methods --------------------------------------------------
+    def _make_posterior(self, data):  # pragma: no cover - interface
+        """The method's unfitted :class:`~sklearn_lla._protocol.Posterior` for ``data``."""
+        raise NotImplementedError
+
+    def _store_fitted(self, posterior):
+        """Copy method-specific fitted attributes from the posterior (optional)."""
+
+    # -- fitting --------------------------------------------------------------
+    def _fit(self, X, y, validation_data):
+        self._validate_params()
+        for name in ("prior_variance", "noise_variance"):
+            if isinstance(getattr(self, name, None), (bool, np.bool_)):
+                raise TypeError(f"{name} must be a float > 0 or 'auto', got a bool")
+        device = resolve_device(self.device)
+        saved = dict(self.__dict__)
+        try:
+            self._fit_inner(X, y, validation_data, device)
+        except BaseException:
+            # a failed (re)fit leaves the previous fitted state intact
+            self.__dict__.clear()
+            self.__dict__.update(saved)
+            raise
+        return self
+
+    def _holdout(self, n, seed):
+        """Row indices (train, validation) for a hold-out, or ``(None, None)``."""
+        if n < _MIN_ROWS_FOR_HOLDOUT:
+            return None, None
+        n_val = max(1, int(round(self.validation_fraction * n)))
+        perm = np.random.RandomState(seed % (2**32 - 1)).permutation(n)
+        return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+
+    def _fit_inner(self, X, y, validation_data, device):
+        X, y = self._validate_xy(X, y)
+        seed = torch_seed(self.random_state)
+        pretrained = is_pretrained(self.net)
+        y_enc, classes = self._encode_targets(y, pretrained)
+        train_idx = val_idx = None
+        if not pretrained and validation_data is None:
+            train_idx, val_idx = self._holdout(len(X), seed)
+        Xtr = X if train_idx is None else X[train_idx]
+        ytr = y_enc if train_idx is None else y_enc[train_idx]
+        resolved = resolve_net(self.net, self._task, Xtr, ytr, self._n_net_outputs(ytr, classes),
+                               seed, device)
+        example = to_batch(X, slice(0, min(len(X), 8)), _module_dtype(resolved.module), device)
+        try:
+            lin = LinearizedNet(resolved.module, device, resolved.output_transform,
+                                example_input=example, trainable_only=self.trainable_only,
+                                **self._linearize_kwargs(resolved.module, X, device))
+        except (RuntimeError, TypeError, IndexError) as exc:
+            # shape mismatches surface from torch as RuntimeErrors
+            raise ValueError(
+                f"the network could not be evaluated on X with {X.shape[1]} feature(s): {exc}"
+            ) from exc
+        C = lin.n_outputs(to_batch(X, slice(0, 1), lin.dtype, device))
+        likelihood, classes, ytr = self._likelihood(C, ytr, classes, resolved, pretrained)
+        generator = torch.Generator().manual_seed(seed)
+        kw = dict(batch_size=self.batch_size, verbose=self.verbose)
+        validation = None
+        if validation_data is not None:
+            Xv, yv = self._validation_arrays(validation_data, classes, C)
+            validation = FitData(lin, likelihood, Xv, self._target_tensor(yv, device), **kw)
+        elif val_idx is not None:
+            validation = FitData(lin, likelihood, X[val_idx],
+                                 self._target_tensor(y_enc[val_idx], device), **kw)
+        data = FitData(lin, likelihood, Xtr, self._target_tensor(ytr, device),
+                       generator=generator, validation=validation, **kw)
+        posterior = self._make_posterior(data).fit(data)
+        # -- success: publish the fitted state ------------------------------------
+        self.net_ = resolved.net
+        self.linearized_net_ = lin
+        self.jacobian_backend_ = lin.backend
+        self.n_outputs_ = C
+        self.posterior_ = posterior
+        self.likelihood_ = posterior.likelihood
+        self.prior_variance_ = float(posterior.prior_variance)
+        self.hyper_strategy_ = posterior.hyper_strategy
+        self.hyper_trace_ = posterior.hyper_trace
+        self._predict_seed = seed
+        if classes is not None:
+            self.classes_ = classes
+        self._store_fitted(posterior)
+
+    def _linearize_kwargs(self, module, X, device):
+        return {}
+
+    def _validation_arrays(self, validation_data, classes, n_outputs):
+        Xv, yv = _split_validation(validation_data)
+        Xv = validate_data(self, Xv, reset=False, dtype=_FLOAT_DTYPES)
+        yv = self._encode_validation_targets(np.asarray(yv), len(Xv), classes, n_outputs)
+        return Xv, yv
+
+    # -- prediction -----------------------------------------------------------
+    def _check_X(self, X):
+        check_is_fitted(self, "posterior_")
+        return validate_data(self, X, reset=False, dtype=_FLOAT_DTYPES)
+
+    def _predictive_batches(self, X):
+        """Yield ``(slice, x_numpy, LatentPredictive)`` per batch (float64, CPU)."""
+        lin = self.linearized_net_
+        bar = None
+        if self.verbose and len(X) > 50 * self.batch_size:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(X), desc=f"{type(self).__name__}: predicting", leave=False)
+        for start in range(0, len(X), self.batch_size):
+            sl = slice(start, min(start + self.batch_size, len(X)))
+            x = to_batch(X, sl, lin.dtype, lin.device)
+            lp = self.posterior_.predict(x)
+            if not bool(torch.isfinite(lp.mean).all()):
+                raise ValueError(
+                    f"the network produced non-finite outputs (NaN or inf) for rows "
+                    f"{sl.start}..{sl.stop - 1} of X; check the inputs' scale"
+                )
+            if not bool(torch.isfinite(lp.cov).all()):
+                raise FloatingPointError(f"non-finite predictive covariance for rows "
+                                         f"{sl.start}..{sl.stop - 1} of X")
+            lp.mean, lp.cov = lp.mean.double().cpu(), lp.cov.double().cpu()
+            if bar is not None:
+                bar.update(sl.stop - sl.start)
+            yield sl, lp
+        if bar is not None:
+            bar.close()
+
+    def _predict_joint(self, X):
+        lin = self.linearized_net_
+        x = to_batch(X, slice(0, len(X)), lin.dtype, lin.device)
+        mean, cov = self.posterior_.predict_joint(x)
+        return mean.double().cpu(), cov.double().cpu()
+
+
+def _check_classes(classes, n):
+    classes = np.asarray(classes)
+    if classes.ndim != 1 or len(classes) != n or len(np.unique(classes)) != n:
+        raise ValueError(
+            f"classes must list {n} distinct labels, one per network output (for a one-logit "
+            f"binary net: [negative, positive]); got {classes.tolist()}"
+        )
+    return classes
+
+
+def _check_known(y, classes, source):
+    known = np.isin(y, classes)
+    if not known.all():
+        bad = np.unique(y[~known])[:10].tolist()
+        raise ValueError(
+            f"y contains labels {bad} that are not the network's classes {classes.tolist()} "
+            f"(from {source}); pass classes=[...] with the label of each network output, in "
+            "output order"
+        )
+
+
+def _encode(y, classes):
+    """Indices of labels ``y`` in ``classes`` (all known)."""
+    sorter = np.argsort(classes)
+    return sorter[np.searchsorted(classes, y, sorter=sorter)].astype(np.int64)
+
+
+def _module_dtype(module):
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
 
 class LaplaceRegressorMixin(RegressorMixin, _LaplaceBase):
     """Regression skin: ``fit``, ``predict(return_std, return_cov)``, ``sample_y``."""
 
     _task = "regression"
 
-    def _check_params(self):
-        device = self._check_common_params()
-        check_positive_or_auto(self.noise_variance, "noise_variance")
-        return device
-
-    def fit(self, X, y):
+    def fit(self, X, y, validation_data=None):
         """Fit the Laplace posterior of the (pretrained or trained) network.
 
         Parameters
@@ -151,68 +262,69 @@ class LaplaceRegressorMixin(RegressorMixin, _LaplaceBase):
             Training inputs.
         y : array-like of shape (n_samples,) or (n_samples, n_targets)
             Targets.
+        validation_data : tuple (X_val, y_val), optional
+            Held-out data the network did not fit, used to choose ``"auto"``
+            hyperparameters by validation NLL (and for early stopping).
 
         Returns
         -------
         self : object
             The fitted estimator.
         """
-        return self._fit(X, y)
+        return self._fit(X, y, validation_data)
 
-    def _encode_val(self, validation_data, lin):
-        if validation_data is None:
-            return None, None
-        Xv, yv = _split_validation(validation_data)
-        Xv = validate_data(self, Xv, reset=False, dtype=np.float64)
-        yv = np.asarray(yv, dtype=np.float64)
-        if len(yv) != len(Xv):
-            raise ValueError(
-                f"validation_data has {len(Xv)} inputs but {len(yv)} targets"
-            )
-        yv = yv.reshape(len(Xv), -1)
-        if yv.shape[1] != self.n_outputs_ or not np.isfinite(yv).all():
-            raise ValueError("validation_data targets must be finite with the shape of y")
-        return (as_tensor(Xv, lin.dtype, lin.device),
-                torch.as_tensor(yv, dtype=torch.float64, device=lin.device))
-
-    def _fit(self, X, y, validation_data=None):
-        device = self._check_params()
-        X, y = validate_data(
-            self, X, y, multi_output=True, y_numeric=True, ensure_min_samples=2,
-            dtype=np.float64,
-        )
+    def _validate_xy(self, X, y):
+        X, y = validate_data(self, X, y, multi_output=True, y_numeric=True,
+                             ensure_min_samples=2, dtype=_FLOAT_DTYPES)
         y = np.asarray(y, dtype=np.float64)
         self._y_1d = y.ndim == 1
-        y2 = y.reshape(len(y), -1)
-        n_targets = y2.shape[1]
-        resolved, lin, Xt, C, seed = self._resolve(X, y2, n_targets, device)
-        if C != n_targets:
+        return X, y
+
+    def _encode_targets(self, y, pretrained):
+        return y.reshape(len(y), -1), None
+
+    def _n_net_outputs(self, y, classes):
+        return y.shape[1]
+
+    def _encode_validation_targets(self, yv, n, classes, n_outputs):
+        yv = np.asarray(yv, dtype=np.float64)
+        if len(yv) != n:
+            raise ValueError(f"validation_data has {n} inputs but {len(yv)} targets")
+        yv = yv.reshape(n, -1)
+        if yv.shape[1] != n_outputs or not np.isfinite(yv).all():
+            raise ValueError("validation_data targets must be finite with the shape of y")
+        return yv
+
+    def _likelihood(self, C, y, classes, resolved, pretrained):
+        if C != y.shape[1]:
             raise ValueError(
-                f"the network has {C} outputs but y has {n_targets} target(s); the net's "
+                f"the network has {C} outputs but y has {y.shape[1]} target(s); the net's "
                 "output size must match the number of targets"
             )
-        self.net_ = resolved.net
-        self.linearized_net_ = lin
-        self.n_outputs_ = C
-        yt = torch.tensor(y2, dtype=torch.float64, device=device)  # copies (read-only input)
-        data = FitData(lin, Xt, yt, C, device, seed, *self._encode_val(validation_data, lin))
-        self.posterior_ = self._fit_posterior(data)
-        self.prior_variance_ = float(self.posterior_.prior_variance)
-        self.noise_variance_ = float(self.posterior_.noise_variance)
-        return self
+        s2 = self.noise_variance if self.noise_variance != "auto" else 1.0
+        return Gaussian(s2, C), None, y
 
-    def _shape(self, a: np.ndarray) -> np.ndarray:
+    @staticmethod
+    def _target_tensor(y, device):
+        return torch.tensor(y, dtype=torch.float64, device=device)  # copies
+
+    def _store_fitted(self, posterior):
+        self.noise_variance_ = float(posterior.likelihood.noise_variance)
+        super()._store_fitted(posterior)
+
+    def _shape(self, a):
         return a[:, 0] if self._y_1d else a
 
-    def predict(self, X, return_std: bool = False, return_cov: bool = False):
+    def predict(self, X, return_std=False, return_cov=False):
         """Predictive mean (the network's output), optionally with std or covariance.
 
         Parameters
         ----------
         X : array-like of shape (n_samples, n_features)
+            Query points.
         return_std : bool, default=False
             Also return the standard deviation of the predictive distribution of
-            ``y`` (epistemic variance plus the noise variance).
+            ``y`` (epistemic plus noise).
         return_cov : bool, default=False
             Also return the joint covariance of ``y`` over the query points: shape
             (n_samples, n_samples), or (n_samples, n_samples, n_targets) for
@@ -221,46 +333,56 @@ class LaplaceRegressorMixin(RegressorMixin, _LaplaceBase):
         Returns
         -------
         y_mean : ndarray of shape (n_samples,) or (n_samples, n_targets)
-        y_std : ndarray, same shape as ``y_mean``, if ``return_std``
-        y_cov : ndarray, if ``return_cov``
+            Predictive mean.
+        y_std : ndarray of the shape of ``y_mean``
+            Returned when ``return_std`` is true.
+        y_cov : ndarray
+            Returned when ``return_cov`` is true.
         """
         if return_std and return_cov:
             raise ValueError("at most one of return_std or return_cov can be requested")
-        if not return_cov:
-            mean, cov = self._predict_latent(X)
-            mean = self._shape(mean.numpy())
-            if not return_std:
-                return mean
-            var = torch.diagonal(cov, dim1=1, dim2=2).clamp_min(0) + self.noise_variance_
-            return mean, self._shape(var.sqrt().numpy())
-        mean, cov = self._predict_latent(X, full_cov=True)
-        n, C = mean.shape
-        cov = cov.reshape(n, C, n, C)
-        per_target = torch.stack([cov[:, c, :, c] for c in range(C)], dim=-1)
-        per_target = per_target + self.noise_variance_ * torch.eye(n, dtype=cov.dtype)[..., None]
-        per_target = per_target.numpy()
-        return self._shape(mean.numpy()), (per_target[..., 0] if self._y_1d else per_target)
+        X = self._check_X(X)
+        if return_cov:
+            mean, cov = self._predict_joint(X)
+            n, C = mean.shape
+            cov = cov.reshape(n, C, n, C)
+            per = torch.stack([cov[:, c, :, c] for c in range(C)], dim=-1)
+            per = per + self.noise_variance_ * torch.eye(n, dtype=cov.dtype)[..., None]
+            per = per.numpy()
+            return self._shape(mean.numpy()), (per[..., 0] if self._y_1d else per)
+        n, C = len(X), self.n_outputs_
+        mean = np.empty((n, C))
+        std = np.empty((n, C)) if return_std else None
+        for sl, lp in self._predictive_batches(X):
+            m, v = self.likelihood_.predict(lp.mean, lp.cov)
+            mean[sl] = m.numpy()
+            if return_std:
+                std[sl] = v.sqrt().numpy()
+        return (self._shape(mean), self._shape(std)) if return_std else self._shape(mean)
 
-    def sample_y(self, X, n_samples: int = 1, random_state=0):
+    def sample_y(self, X, n_samples=1, random_state=0):
         """Draw joint samples of ``y`` from the predictive distribution at ``X``.
-
-        The latent function is sampled jointly over all query points and targets, and
-        observation noise of variance ``noise_variance_`` is added.
 
         Parameters
         ----------
         X : array-like of shape (n_samples_X, n_features)
+            Query points.
         n_samples : int, default=1
+            Number of joint samples.
         random_state : int, RandomState instance or None, default=0
+            Seed of the draws.
 
         Returns
         -------
-        y_samples : ndarray of shape (n_samples_X, n_samples), or
-            (n_samples_X, n_targets, n_samples) for multi-output ``y``
+        y_samples : ndarray
+            Shape (n_samples_X, n_samples), or (n_samples_X, n_targets, n_samples)
+            for multi-output ``y``.
         """
-        check_positive_int(n_samples, "n_samples")
+        if not isinstance(n_samples, Integral) or isinstance(n_samples, bool) or n_samples < 1:
+            raise ValueError(f"n_samples must be a positive integer, got {n_samples!r}")
         rng = check_random_state(random_state)
-        mean, cov = self._predict_latent(X, full_cov=True)
+        X = self._check_X(X)
+        mean, cov = self._predict_joint(X)
         n, C = mean.shape
         cov = cov + self.noise_variance_ * torch.eye(n * C, dtype=cov.dtype)
         L = safe_cholesky(cov, "predictive covariance").numpy()
@@ -280,143 +402,158 @@ class LaplaceClassifierMixin(ClassifierMixin, _LaplaceBase):
 
     _task = "classification"
 
-    def _check_params(self):
-        device = self._check_common_params()
-        if self.link_approx not in LINK_APPROXIMATIONS:
-            raise ValueError(
-                f"link_approx must be one of {LINK_APPROXIMATIONS}, got {self.link_approx!r}"
-            )
-        check_positive_int(self.n_samples_predict, "n_samples_predict")
-        return device
-
-    def fit(self, X, y):
+    def fit(self, X, y, validation_data=None):
         """Fit the Laplace posterior of the (pretrained or trained) classifier.
 
         Parameters
         ----------
         X : array-like of shape (n_samples, n_features)
+            Training inputs.
         y : array-like of shape (n_samples,)
-            Class labels of any type.
+            Class labels: the network's classes (see ``classes``).
+        validation_data : tuple (X_val, y_val), optional
+            Held-out data the network did not fit, used to choose ``"auto"``
+            hyperparameters by validation NLL (and for early stopping).
 
         Returns
         -------
         self : object
+            The fitted estimator.
         """
-        return self._fit(X, y)
+        return self._fit(X, y, validation_data)
 
-    def _encode_labels(self, y):
-        classes = self.classes_
-        sorter = np.argsort(classes)
-        pos = np.clip(np.searchsorted(classes, y, sorter=sorter), 0, len(classes) - 1)
-        y_enc = sorter[pos]
-        if not np.array_equal(classes[y_enc], y):
-            raise ValueError("y contains labels unknown to the network's classes")
-        return y_enc
-
-    def _encode_val(self, validation_data, lin):
-        if validation_data is None:
-            return None, None
-        Xv, yv = _split_validation(validation_data)
-        Xv = validate_data(self, Xv, reset=False, dtype=np.float64)
-        yv = np.asarray(yv)
-        if yv.shape != (len(Xv),):
-            raise ValueError(
-                f"validation_data labels must have shape ({len(Xv)},), got {yv.shape}"
-            )
-        return (as_tensor(Xv, lin.dtype, lin.device),
-                torch.as_tensor(self._encode_labels(yv), dtype=torch.long, device=lin.device))
-
-    def _fit(self, X, y, validation_data=None):
-        device = self._check_params()
-        X, y = validate_data(self, X, y, ensure_min_samples=2, dtype=np.float64)
+    def _validate_xy(self, X, y):
+        X, y = validate_data(self, X, y, ensure_min_samples=2, dtype=_FLOAT_DTYPES)
         check_classification_targets(y)
+        return X, y
+
+    def _encode_targets(self, y, pretrained):
         labels = np.unique(y)
         if len(labels) < 2:
             raise ValueError(
                 f"the classifier needs samples of at least 2 classes in y; got only one class "
                 f"({labels[0]!r})"
             )
-        # Encode with the pretrained net's classes when it knows them, so that a
-        # cross-validation fold missing a class still maps labels to the right logit.
-        pretrained = is_pretrained(self.net)
-        classes = labels
         if pretrained:
-            resolved, lin, Xt, C, seed = self._resolve(X, None, None, device)
-            net_classes = resolved.classes
-            if net_classes is not None and len(net_classes) == C:
-                known = np.isin(labels, net_classes)
-                if known.all():
-                    classes = np.asarray(net_classes)
-                elif known.any():
-                    raise ValueError(
-                        f"y contains labels {labels[~known].tolist()} unknown to the "
-                        "pretrained network, which was trained on classes "
-                        f"{np.asarray(net_classes).tolist()}"
-                    )
-                # No overlap at all (e.g. string labels for a net trained on 0..C-1):
-                # the sorted labels map to the logits by position.
-            if C != len(classes):
-                raise ValueError(
-                    f"the network outputs {C} logits but y has {len(classes)} classes; the "
-                    "net's output size must match the number of classes"
-                )
-        self.classes_ = classes
-        y_enc = self._encode_labels(y)
-        if not pretrained:
-            resolved, lin, Xt, C, seed = self._resolve(X, y_enc, len(classes), device)
-            if C != len(classes):
-                raise ValueError(
-                    f"the network outputs {C} logits but y has {len(classes)} classes"
-                )
-        self.net_ = resolved.net
-        self.linearized_net_ = lin
-        self.n_outputs_ = C
-        yt = torch.as_tensor(y_enc, dtype=torch.long, device=device)
-        data = FitData(lin, Xt, yt, C, device, seed, *self._encode_val(validation_data, lin))
-        self.posterior_ = self._fit_posterior(data)
-        self.prior_variance_ = float(self.posterior_.prior_variance)
-        self._predict_seed = seed
-        return self
+            # encoded against the network's classes once the net is known (_likelihood)
+            return y, None
+        if self.classes is not None:
+            labels = _check_classes(self.classes, len(self.classes))
+            _check_known(y, labels, "the classes parameter")
+        return _encode(y, labels), labels
+
+    def _n_net_outputs(self, y, classes):
+        return None if classes is None else len(classes)
+
+    def _net_classes(self, resolved, C):
+        """The labels of the net's outputs: explicit ``classes``, skorch's, or indices."""
+        n = 2 if C == 1 else C
+        if self.classes is not None:
+            return _check_classes(self.classes, n), "the classes parameter"
+        if resolved.classes is not None and len(resolved.classes) == n:
+            return np.asarray(resolved.classes), "the skorch net's classes_"
+        return np.arange(n), "output indices (the network's classes are unknown)"
+
+    def _likelihood(self, C, y, classes, resolved, pretrained):
+        if classes is None:  # pretrained: y holds raw labels
+            classes, source = self._net_classes(resolved, C)
+            _check_known(y, classes, source)
+            y = _encode(y, classes)
+        elif C != len(classes) and not (C == 1 and len(classes) == 2):
+            raise ValueError(f"the network outputs {C} logits but y has {len(classes)} classes")
+        if pretrained and C != 1 and C != len(classes):
+            raise ValueError(
+                f"the network outputs {C} logits but y has {len(classes)} classes; the net's "
+                "output size must match the number of classes")
+        if C == 1:
+            lik = Bernoulli(self.link_approx, self.n_samples_predict)
+        else:
+            lik = Categorical(C, self.link_approx, self.n_samples_predict)
+        return lik, classes, y
+
+    def _encode_validation_targets(self, yv, n, classes, n_outputs):
+        if yv.shape != (n,):
+            raise ValueError(f"validation_data labels must have shape ({n},), got {yv.shape}")
+        known = np.isin(yv, classes)
+        if not known.all():
+            raise ValueError(f"validation_data contains labels "
+                             f"{np.unique(yv[~known])[:10].tolist()} unknown to the classifier")
+        return _encode(yv, classes)
+
+    @staticmethod
+    def _target_tensor(y, device):
+        return torch.tensor(np.asarray(y, dtype=np.int64), device=device)
 
     def predict_proba(self, X):
         """Predictive class probabilities ``E_{f ~ N(g(x), S(x))} softmax(f)``.
 
-        Uses ``link_approx`` (``probit`` by default; ``mc`` with
-        ``n_samples_predict`` samples, reproducible from ``random_state``; ``bridge``).
+        Uses ``link_approx``; ``"mc"`` draws ``n_samples_predict`` latent samples per
+        point from a key derived from the point itself and ``random_state``, so a
+        point's probabilities do not depend on the rest of ``X`` or on
+        ``batch_size``.
 
         Parameters
         ----------
         X : array-like of shape (n_samples, n_features)
+            Query points.
 
         Returns
         -------
-        proba : ndarray of shape (n_samples, n_classes), rows summing to one, columns
-            in the order of ``classes_``.
+        proba : ndarray of shape (n_samples, n_classes)
+            Rows sum to one; columns in the order of ``classes_``.
         """
-        mean, cov = self._predict_latent(X)
-        gen = torch.Generator().manual_seed(self._predict_seed)
-        p = predictive_proba(mean, cov, self.link_approx, self.n_samples_predict, gen)
-        return p.numpy()
+        X = self._check_X(X)
+        lik = self.likelihood_
+        out = np.empty((len(X), len(self.classes_)))
+        for sl, lp in self._predictive_batches(X):
+            eps = None
+            if lik.link_approx == "mc":
+                keys = row_keys(np.asarray(X[sl]), self._predict_seed)
+                eps = point_normals(keys, lik.n_samples, lp.mean.shape[1])
+            out[sl] = lik.predict(lp.mean, lp.cov, eps=eps).numpy()
+        return out
 
     def predict_log_proba(self, X):
-        """Logarithm of :meth:`predict_proba`."""
+        """Logarithm of :meth:`predict_proba`.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+            Query points.
+
+        Returns
+        -------
+        log_proba : ndarray of shape (n_samples, n_classes)
+            Log probabilities, columns in the order of ``classes_``.
+        """
         with np.errstate(divide="ignore"):
             return np.log(self.predict_proba(X))
 
     def predict(self, X):
         """Most probable class under the predictive distribution.
 
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+            Query points.
+
         Returns
         -------
-        y_pred : ndarray of shape (n_samples,) with labels from ``classes_``.
+        y_pred : ndarray of shape (n_samples,)
+            Labels from ``classes_``.
         """
         proba = self.predict_proba(X)
         return self.classes_[np.argmax(proba, axis=1)]
 
 
-def _split_validation(validation_data):
-    try:
-        Xv, yv = validation_data
-    except (TypeError, ValueError) as exc:
-        raise TypeError("validation_data must be a pair (X_val, y_val)") from exc
-    return Xv, yv
+#: Parameter constraints shared by every estimator (methods extend them).
+REGRESSOR_CONSTRAINTS = {
+    **_COMMON_CONSTRAINTS,
+    "noise_variance": [Interval(Real, 0, None, closed="neither"), StrOptions({"auto"})],
+}
+CLASSIFIER_CONSTRAINTS = {
+    **_COMMON_CONSTRAINTS,
+    "link_approx": [StrOptions({"probit", "mc", "bridge"})],
+    "n_samples_predict": [Interval(Integral, 1, None, closed="left")],
+    "classes": ["array-like", None],
+}

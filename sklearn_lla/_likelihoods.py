@@ -1,152 +1,399 @@
-"""Likelihoods (Gaussian, categorical) and the classification link approximations.
+"""Likelihood objects: everything a method needs to know about ``p(y | f)``.
 
-Each likelihood provides what the Laplace methods need about ``p(y | f)``:
+Three likelihoods cover every estimator:
 
-* ``lam_factor(f)``: a factor ``A`` with ``Lam(f) = A A^T``, ``Lam`` the Hessian of
-  ``-log p(y | f)`` w.r.t. the outputs ``f``. Regression: ``I / sqrt(s2)``.
-  Classification: ``A = diag(sqrt p) - p sqrt(p)^T`` (``p = softmax f``), which gives
-  ``A A^T = diag(p) - p p^T`` exactly without any eigendecomposition;
-* ``log_likelihood(f, y)``: summed log density;
-* the predictive: Gaussian ``N(g, S + s2 I)``; categorical ``E softmax(f)`` by a link
-  approximation (:func:`predictive_proba`).
+* :class:`Gaussian` (regression, ``y ~ N(f, s2 I)``, ``s2 = noise_variance``);
+* :class:`Categorical` (``C >= 2`` logits, softmax);
+* :class:`Bernoulli` (a one-logit binary net, sigmoid; skorch's
+  ``NeuralNetBinaryClassifier``).
+
+Each owns, written once:
+
+* ``lam_factor(f)``: ``A`` with ``A A^T = Lam(f)``, ``Lam`` the Hessian of
+  ``-log p(y | f)`` w.r.t. ``f``. Categorical: ``A = diag(sqrt p) - p sqrt(p)^T``,
+  exact without any eigendecomposition (``Lam`` is singular for softmax);
+* ``log_prob(f, y)``: per-point log likelihood;
+* ``log_predictive(mean, cov, y)``: per-point log predictive density of ``y`` under
+  the latent ``N(mean, cov)`` (the validation NLL is its negative mean; the alpha = 1
+  energy of VaLLA/FMGP uses it too);
+* ``expected_log_prob(mean, cov, y)``: ``E_{N(mean, cov)} log p(y | f)`` (closed
+  form for Gaussian; Monte Carlo or Gauss-Hermite for the others), for ELBO-type
+  objectives;
+* ``predict(mean, cov)``: the predictive distribution of ``y``: Gaussian mean and
+  variance, or class probabilities by a link approximation (``probit``, ``mc``,
+  ``bridge``) that works for one-logit and C-logit nets alike.
+
+Everything is differentiable torch code, so the variational methods can optimise
+through it.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 __all__ = [
-    "GaussianLikelihood",
-    "CategoricalLikelihood",
-    "predictive_proba",
+    "Likelihood",
+    "Gaussian",
+    "Categorical",
+    "Bernoulli",
     "LINK_APPROXIMATIONS",
+    "point_normals",
+    "row_keys",
 ]
 
 LINK_APPROXIMATIONS = ("probit", "mc", "bridge")
 
+_LOG_2PI = math.log(2.0 * math.pi)
 
-class GaussianLikelihood:
+
+# ---------------------------------------------------------------------------------
+# Per-point random numbers (MC link): independent of batch composition and size
+# ---------------------------------------------------------------------------------
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix(z: np.ndarray) -> np.ndarray:
+    """SplitMix64 finaliser, vectorised (uint64 arithmetic wraps modulo 2**64)."""
+    z = z ^ (z >> np.uint64(30))
+    z = z * _M1
+    z = z ^ (z >> np.uint64(27))
+    z = z * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def row_keys(x: np.ndarray, seed: int) -> np.ndarray:
+    """One 64-bit key per row of ``x``, a hash of the row's float64 bytes and ``seed``.
+
+    A point's Monte Carlo draws are derived from its key, so its predictive
+    probabilities do not depend on which other points are in the batch, on the batch
+    size, or on its position in ``X``.
+    """
+    bits = np.ascontiguousarray(np.asarray(x, dtype=np.float64).reshape(len(x), -1))
+    bits = bits.view(np.uint64)
+    with np.errstate(over="ignore"):
+        h = np.full(len(bits), _splitmix(np.uint64(seed) + _GOLDEN), dtype=np.uint64)
+        for j in range(bits.shape[1]):
+            h = _splitmix(h ^ bits[:, j] + _GOLDEN)
+    return h
+
+
+def point_normals(keys: np.ndarray, n_samples: int, n_outputs: int) -> torch.Tensor:
+    """Standard normal draws of shape ``(n_samples, B, n_outputs)`` from per-point keys.
+
+    Counter-based (SplitMix64 of key and counter, Box-Muller), so point ``b`` always
+    gets the same draws whatever else is drawn with it.
+    """
+    B = len(keys)
+    n = n_samples * n_outputs
+    half = (n + 1) // 2
+    ctr = np.arange(2 * half, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = _splitmix(keys[:, None] + (ctr[None, :] + np.uint64(1)) * _GOLDEN)
+    u = ((z >> np.uint64(11)).astype(np.float64) + 0.5) / float(2**53)  # (0, 1)
+    u1, u2 = u[:, :half], u[:, half:]
+    r = np.sqrt(-2.0 * np.log(u1))
+    eps = np.concatenate([r * np.cos(2 * np.pi * u2), r * np.sin(2 * np.pi * u2)], axis=1)
+    eps = eps[:, :n].reshape(B, n_samples, n_outputs).transpose(1, 0, 2)
+    return torch.from_numpy(np.ascontiguousarray(eps))
+
+
+# ---------------------------------------------------------------------------------
+# Link approximations of E softmax(f), f ~ N(mean, cov): written once
+# ---------------------------------------------------------------------------------
+
+
+def _diag(cov: torch.Tensor) -> torch.Tensor:
+    return torch.diagonal(cov, dim1=-2, dim2=-1).clamp_min(0.0)
+
+
+def _probit_softmax(mean, cov):
+    return torch.softmax(mean / torch.sqrt(1.0 + math.pi / 8.0 * _diag(cov)), dim=-1)
+
+
+def _bridge_softmax(mean, cov):
+    # Laplace bridge (Hobbhahn et al., 2022): N(mean, diag var) -> Dirichlet, return
+    # its mean. Logits are centred first (softmax is shift invariant, the bridge is
+    # not: its derivation assumes sum-to-zero logits).
+    C = mean.shape[-1]
+    mu = mean - mean.mean(dim=-1, keepdim=True)
+    var = _diag(cov).clamp_min(torch.finfo(mean.dtype).eps)
+    log_term = mu + torch.logsumexp(-mu, dim=-1, keepdim=True)
+    alpha = (1.0 - 2.0 / C + torch.exp(log_term) / C**2) / var
+    return alpha / alpha.sum(dim=-1, keepdim=True)
+
+
+def _sqrt_psd(cov: torch.Tensor) -> torch.Tensor:
+    """A factor ``L`` with ``L L^T = cov`` for a batch of small PSD matrices."""
+    C = cov.shape[-1]
+    eye = torch.eye(C, dtype=cov.dtype, device=cov.device)
+    scale = _diag(cov).mean(-1).clamp_min(1e-300)[..., None, None]
+    L, info = torch.linalg.cholesky_ex(cov + 1e-12 * scale * eye)
+    if bool((info != 0).any()):
+        evals, evecs = torch.linalg.eigh(0.5 * (cov + cov.transpose(-1, -2)))
+        L = evecs * evals.clamp_min(0).sqrt().unsqueeze(-2)
+    return L
+
+
+def _latent_draws(mean, cov, eps):
+    """``mean + L eps`` for ``eps`` of shape (S, B, C)."""
+    L = _sqrt_psd(cov)
+    return mean.unsqueeze(0) + torch.einsum("bij,sbj->sbi", L, eps.to(mean))
+
+
+def _check_link(link_approx):
+    if link_approx not in LINK_APPROXIMATIONS:
+        raise ValueError(
+            f"link_approx must be one of {LINK_APPROXIMATIONS}, got {link_approx!r}"
+        )
+
+
+# ---------------------------------------------------------------------------------
+# Likelihoods
+# ---------------------------------------------------------------------------------
+
+
+class Likelihood:
+    """Base class: ``p(y | f)`` for latent outputs ``f`` of shape (B, C).
+
+    Subclasses set ``task`` (``"regression"`` or ``"classification"``) and
+    ``n_outputs`` and implement the methods below.
+    """
+
+    task = None
+    n_outputs = None
+
+    def lam(self, f: torch.Tensor) -> torch.Tensor:
+        """Output Hessian ``Lam(f) = A A^T`` of shape (B, C, C)."""
+        A = self.lam_factor(f)
+        return A @ A.transpose(-1, -2)
+
+    def nll(self, mean: torch.Tensor, cov: torch.Tensor, y: torch.Tensor, **kw) -> float:
+        """Mean negative log predictive density (the validation criterion)."""
+        return float(-self.log_predictive(mean, cov, y, **kw).mean())
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self._params().items())
+        return f"{type(self).__name__}({args})"
+
+    def _params(self):
+        return {}
+
+
+class Gaussian(Likelihood):
     """Isotropic Gaussian likelihood ``y ~ N(f, s2 I)``.
 
     Parameters
     ----------
     noise_variance : float
         ``s2`` (> 0).
+    n_outputs : int, default=1
+        Number of targets ``C``.
     """
 
     task = "regression"
 
-    def __init__(self, noise_variance: float):
-        if not noise_variance > 0:
-            raise ValueError(f"noise_variance must be > 0, got {noise_variance!r}")
+    def __init__(self, noise_variance: float, n_outputs: int = 1):
+        if not (np.isfinite(noise_variance) and noise_variance > 0):
+            raise ValueError(f"noise_variance must be finite and > 0, got {noise_variance!r}")
         self.noise_variance = float(noise_variance)
+        self.n_outputs = int(n_outputs)
 
-    def lam_factor(self, f: torch.Tensor) -> torch.Tensor:
-        """``A`` of shape (B, C, C) with ``A A^T = I / s2``."""
+    def _params(self):
+        return {"noise_variance": self.noise_variance, "n_outputs": self.n_outputs}
+
+    def with_noise(self, noise_variance: float) -> Gaussian:
+        """A copy with another noise variance."""
+        return Gaussian(noise_variance, self.n_outputs)
+
+    #: ``Lam = I / s2`` does not depend on ``f``: GLM curvature can be accumulated
+    #: once with unit noise and rescaled for every candidate ``s2``.
+    unit_curvature = True
+
+    def lam_factor(self, f):
+        """``A = I / sqrt(s2)`` of shape (B, C, C)."""
         B, C = f.shape
         eye = torch.eye(C, dtype=f.dtype, device=f.device)
         return (eye / math.sqrt(self.noise_variance)).expand(B, C, C)
 
-    def lam(self, f: torch.Tensor) -> torch.Tensor:
-        """Output Hessian ``Lam`` of shape (B, C, C)."""
-        A = self.lam_factor(f)
-        return A @ A.transpose(1, 2)
+    def log_prob(self, f, y):
+        """Per-point ``log N(y | f, s2 I)``, shape (B,)."""
+        r = (y - f).reshape(f.shape[0], -1)
+        return -0.5 * (r.pow(2).sum(-1) / self.noise_variance
+                       + r.shape[1] * (_LOG_2PI + math.log(self.noise_variance)))
 
-    def log_likelihood(self, f: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``sum_n log N(y_n | f_n, s2 I)``."""
-        r = (y - f).reshape(-1)
-        return -0.5 * (r @ r) / self.noise_variance - 0.5 * r.numel() * math.log(
-            2 * math.pi * self.noise_variance
-        )
+    def grad(self, f, y):
+        """``d log p / d f = (y - f) / s2``, shape (B, C)."""
+        return (y - f) / self.noise_variance
 
-    def predictive_variance(self, latent_var: torch.Tensor) -> torch.Tensor:
-        """Variance of ``y``: latent variance plus ``s2``."""
-        return latent_var + self.noise_variance
+    def log_predictive(self, mean, cov, y, **kw):
+        """Per-point ``log N(y | mean, cov + s2 I)`` (joint over the C outputs)."""
+        C = mean.shape[-1]
+        if C == 1:
+            v = cov.reshape(-1).clamp_min(0) + self.noise_variance
+            r = (y.reshape(-1) - mean.reshape(-1))
+            return -0.5 * (_LOG_2PI + torch.log(v) + r * r / v)
+        eye = torch.eye(C, dtype=mean.dtype, device=mean.device)
+        S = 0.5 * (cov + cov.transpose(-1, -2)) + self.noise_variance * eye
+        L = torch.linalg.cholesky(S)
+        r = (y - mean).unsqueeze(-1)
+        z = torch.linalg.solve_triangular(L, r, upper=False).squeeze(-1)
+        logdet = 2.0 * torch.log(torch.diagonal(L, dim1=-2, dim2=-1)).sum(-1)
+        return -0.5 * (C * _LOG_2PI + logdet + z.pow(2).sum(-1))
+
+    def expected_log_prob(self, mean, cov, y, **kw):
+        """``E_{N(mean, cov)} log N(y | f, s2 I)`` in closed form, shape (B,)."""
+        var = _diag(cov) if cov.ndim == 3 else cov
+        r2 = (y - mean).pow(2) + var
+        C = mean.shape[-1]
+        return -0.5 * (r2.sum(-1) / self.noise_variance
+                       + C * (_LOG_2PI + math.log(self.noise_variance)))
+
+    def predict(self, mean, cov, **kw):
+        """Predictive mean and variance of ``y``: ``(mean, diag(cov) + s2)``."""
+        return mean, _diag(cov) + self.noise_variance
 
 
-class CategoricalLikelihood:
-    """Categorical likelihood with softmax link on logits ``f``."""
+class _ClassLikelihood(Likelihood):
+    """Shared parts of the classification likelihoods."""
 
     task = "classification"
+    unit_curvature = False
 
-    def lam_factor(self, f: torch.Tensor) -> torch.Tensor:
-        """``A = diag(sqrt p) - p sqrt(p)^T`` of shape (B, C, C); ``A A^T = diag(p) - p p^T``."""
+    def __init__(self, link_approx: str = "probit", n_samples: int = 512):
+        _check_link(link_approx)
+        self.link_approx = link_approx
+        self.n_samples = int(n_samples)
+
+    def _params(self):
+        return {"link_approx": self.link_approx, "n_samples": self.n_samples}
+
+    def log_predictive(self, mean, cov, y, *, eps=None, generator=None):
+        """Per-point log predictive probability of the labels ``y`` (ints)."""
+        p = self.predict(mean, cov, eps=eps, generator=generator)
+        picked = p.gather(-1, y.long().reshape(-1, 1)).squeeze(-1)
+        return torch.log(picked.clamp_min(torch.finfo(p.dtype).tiny))
+
+    def _eps(self, shape, eps, generator, like):
+        if eps is not None:
+            return eps.to(like)
+        return torch.randn(shape, dtype=like.dtype, device=like.device, generator=generator)
+
+
+class Categorical(_ClassLikelihood):
+    """Categorical likelihood with softmax link on ``C >= 2`` logits.
+
+    Parameters
+    ----------
+    n_outputs : int
+        Number of classes (logits) ``C``.
+    link_approx : {"probit", "mc", "bridge"}, default="probit"
+        Approximation of ``E softmax(f)`` at prediction.
+    n_samples : int, default=512
+        Monte Carlo samples for ``link_approx="mc"`` (and MC expectations).
+    """
+
+    def __init__(self, n_outputs: int, link_approx: str = "probit", n_samples: int = 512):
+        super().__init__(link_approx, n_samples)
+        self.n_outputs = int(n_outputs)
+
+    def _params(self):
+        return {"n_outputs": self.n_outputs, **super()._params()}
+
+    def lam_factor(self, f):
+        """``A = diag(sqrt p) - p sqrt(p)^T``, ``A A^T = diag(p) - p p^T``."""
         p = torch.softmax(f, dim=-1)
         sp = p.sqrt()
         return torch.diag_embed(sp) - p.unsqueeze(-1) * sp.unsqueeze(-2)
 
-    def lam(self, f: torch.Tensor) -> torch.Tensor:
-        """Output Hessian ``diag(p) - p p^T`` of shape (B, C, C)."""
-        p = torch.softmax(f, dim=-1)
-        return torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
+    def log_prob(self, f, y):
+        """Per-point ``log softmax(f)[y]``, shape (B,)."""
+        return torch.log_softmax(f, dim=-1).gather(-1, y.long().reshape(-1, 1)).squeeze(-1)
 
-    def log_likelihood(self, f: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``sum_n log softmax(f_n)[y_n]`` for integer labels ``y``."""
-        logp = torch.log_softmax(f, dim=-1)
-        return logp.gather(1, y.long().reshape(-1, 1)).sum()
+    def grad(self, f, y):
+        """``d log p / d f = onehot(y) - softmax(f)``."""
+        onehot = torch.nn.functional.one_hot(y.long().reshape(-1), f.shape[-1]).to(f)
+        return onehot - torch.softmax(f, dim=-1)
 
+    def expected_log_prob(self, mean, cov, y, *, eps=None, generator=None):
+        """Monte Carlo ``E log softmax(f)[y]`` (reparameterised, differentiable)."""
+        e = self._eps((self.n_samples, *mean.shape), eps, generator, mean)
+        f = _latent_draws(mean, cov, e)
+        lp = torch.log_softmax(f, dim=-1)
+        idx = y.long().reshape(1, -1, 1).expand(f.shape[0], -1, 1)
+        return lp.gather(-1, idx).squeeze(-1).mean(0)
 
-def _probit(mean, var):
-    return torch.softmax(mean / torch.sqrt(1.0 + math.pi / 8.0 * var), dim=-1)
-
-
-def _bridge(mean, var):
-    # Laplace bridge (Hobbhahn et al., 2022): map N(mean, diag var) to a Dirichlet
-    # and return its mean. Logits are centred first (softmax is shift invariant, the
-    # bridge is not; the paper's derivation assumes sum-to-zero logits).
-    C = mean.shape[-1]
-    mu = mean - mean.mean(dim=-1, keepdim=True)
-    var = var.clamp_min(torch.finfo(var.dtype).eps)
-    # exp(mu_k) * sum_l exp(-mu_l), computed in log space for stability
-    log_term = mu + torch.logsumexp(-mu, dim=-1, keepdim=True)
-    alpha = (1.0 - 2.0 / C + torch.exp(log_term) / C**2) / var
-    return alpha / alpha.sum(dim=-1, keepdim=True)
-
-
-def _mc(mean, cov, n_samples, generator):
-    B, C = mean.shape
-    # Cholesky of each C x C covariance; tiny jitter for numerically singular ones.
-    eye = torch.eye(C, dtype=cov.dtype, device=cov.device)
-    scale = torch.diagonal(cov, dim1=1, dim2=2).mean(-1).clamp_min(1e-30)[:, None, None]
-    L, info = torch.linalg.cholesky_ex(cov + 1e-10 * scale * eye)
-    if bool((info != 0).any()):
-        evals, evecs = torch.linalg.eigh(cov)
-        L = evecs * evals.clamp_min(0).sqrt().unsqueeze(-2)
-    eps = torch.randn((n_samples, B, C), dtype=mean.dtype, device=mean.device, generator=generator)
-    f = mean.unsqueeze(0) + torch.einsum("bij,sbj->sbi", L, eps)
-    return torch.softmax(f, dim=-1).mean(0)
+    def predict(self, mean, cov, *, eps=None, generator=None):
+        """Class probabilities ``E softmax(f)`` of shape (B, C) by ``link_approx``."""
+        if self.link_approx == "probit":
+            return _probit_softmax(mean, cov)
+        if self.link_approx == "bridge":
+            return _bridge_softmax(mean, cov)
+        e = self._eps((self.n_samples, *mean.shape), eps, generator, mean)
+        return torch.softmax(_latent_draws(mean, cov, e), dim=-1).mean(0)
 
 
-def predictive_proba(mean: torch.Tensor, cov: torch.Tensor, link_approx: str = "probit",
-                     n_samples: int = 512, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Class probabilities ``E_{f ~ N(mean, cov)} softmax(f)``.
+#: Gauss-Hermite nodes and weights (probabilists' form) for 1-D expectations.
+_GH_X, _GH_W = np.polynomial.hermite_e.hermegauss(32)
+_GH_W = _GH_W / _GH_W.sum()
+
+
+class Bernoulli(_ClassLikelihood):
+    """Bernoulli likelihood for a one-logit binary net: ``p(y=1 | z) = sigmoid(z)``.
+
+    ``predict`` returns two columns ``[p(y=0), p(y=1)]``. Links: ``probit``
+    (``sigmoid(m / sqrt(1 + pi v / 8))``), ``mc`` (average sigmoid over draws) and
+    ``bridge`` (the Laplace bridge of the equivalent sum-to-zero two-logit model
+    ``[-z/2, z/2]``).
 
     Parameters
     ----------
-    mean : Tensor of shape (B, C)
-        Logits of the pretrained network.
-    cov : Tensor of shape (B, C, C)
-        Latent covariance ``S(x)`` per point.
-    link_approx : {"probit", "mc", "bridge"}
-        ``probit``: ``softmax(g / sqrt(1 + pi/8 diag S))`` (deterministic);
-        ``mc``: average softmax over ``n_samples`` draws of the full ``C x C`` Gaussian;
-        ``bridge``: the Laplace bridge.
-    n_samples : int
-        Monte Carlo samples for ``mc``.
-    generator : torch.Generator, optional
-        Random source for ``mc``.
-
-    Returns
-    -------
-    Tensor of shape (B, C), rows summing to one.
+    link_approx : {"probit", "mc", "bridge"}, default="probit"
+    n_samples : int, default=512
     """
-    var = torch.diagonal(cov, dim1=1, dim2=2).clamp_min(0)
-    if link_approx == "probit":
-        return _probit(mean, var)
-    if link_approx == "bridge":
-        return _bridge(mean, var)
-    if link_approx == "mc":
-        return _mc(mean, cov, n_samples, generator)
-    raise ValueError(f"link_approx must be one of {LINK_APPROXIMATIONS}, got {link_approx!r}")
+
+    n_outputs = 1
+
+    def lam_factor(self, f):
+        """``A = sqrt(p (1 - p))`` of shape (B, 1, 1)."""
+        p = torch.sigmoid(f)
+        return (p * (1 - p)).sqrt().unsqueeze(-1)
+
+    def log_prob(self, f, y):
+        """Per-point ``log sigmoid(+-z)``, shape (B,)."""
+        z = f.reshape(-1)
+        sign = 2.0 * y.reshape(-1).to(z) - 1.0
+        return torch.nn.functional.logsigmoid(sign * z)
+
+    def grad(self, f, y):
+        """``d log p / d z = y - sigmoid(z)``, shape (B, 1)."""
+        return y.reshape(-1, 1).to(f) - torch.sigmoid(f)
+
+    def expected_log_prob(self, mean, cov, y, **kw):
+        """``E log sigmoid(+-z)`` by 32-point Gauss-Hermite quadrature, shape (B,)."""
+        m = mean.reshape(-1, 1)
+        s = cov.reshape(-1, 1).clamp_min(0).sqrt()
+        x = torch.as_tensor(_GH_X, dtype=m.dtype, device=m.device)
+        w = torch.as_tensor(_GH_W, dtype=m.dtype, device=m.device)
+        sign = 2.0 * y.reshape(-1, 1).to(m) - 1.0
+        return (torch.nn.functional.logsigmoid(sign * (m + s * x)) * w).sum(-1)
+
+    def predict(self, mean, cov, *, eps=None, generator=None):
+        """Probabilities ``[p(y=0), p(y=1)]`` of shape (B, 2) by ``link_approx``."""
+        m = mean.reshape(-1)
+        v = cov.reshape(-1).clamp_min(0)
+        if self.link_approx == "probit":
+            p1 = torch.sigmoid(m / torch.sqrt(1.0 + math.pi / 8.0 * v))
+        elif self.link_approx == "mc":
+            e = self._eps((self.n_samples, m.shape[0], 1), eps, generator, m)
+            p1 = torch.sigmoid(m + v.sqrt() * e[..., 0]).mean(0)
+        else:
+            mu2 = torch.stack([-0.5 * m, 0.5 * m], dim=-1)
+            var2 = torch.diag_embed(torch.stack([0.25 * v, 0.25 * v], dim=-1))
+            return _bridge_softmax(mu2, var2)
+        return torch.stack([1.0 - p1, p1], dim=-1)

@@ -2,33 +2,130 @@
 
 :class:`LinearizedNet` is the one place where the library touches the user's network.
 It deep-copies the module once (so the user's object is never mutated, not even its
-``training`` flag or ``requires_grad``), evaluates it in eval mode with
-:func:`torch.func.functional_call`, and offers the products every method needs:
+``training`` flag or ``requires_grad``), evaluates it in eval mode, and offers the
+products every method needs:
 
 * ``forward``: ``g(x)``;
-* ``jvp``: ``g(x)`` and ``J(x) t_k`` for many tangents in one batched forward pass;
+* ``jvp``: ``g(x)`` and ``J(x) t_k`` for many tangents in one batched pass;
 * ``vjp``: ``J(x)^T u_k`` for many cotangents;
 * ``jacobian``: per-example Jacobian rows, in chunks whose memory is bounded;
-* ``ntk``: blocks of the neural tangent kernel ``J(x) J(x')^T``.
+* ``ntk`` / ``kernel`` / ``ntk_diag_blocks``: blocks of the neural tangent kernel
+  ``J(x) J(x')^T``, always in float64.
 
-For networks that are chains of ``nn.Linear`` layers and elementwise maps the NTK,
-VJP and JVP go through :mod:`sklearn_lla._structured`, which never forms Jacobian
-rows; every other architecture uses ``torch.func``.
+The Jacobian is taken with respect to the *linearised* parameters: by default the
+trainable ones (``requires_grad=True`` in the user's module), or an explicit subset
+(``param_names``, e.g. :func:`last_layer_param_names` for last-layer LLA); the other
+parameters are held fixed like buffers.
+
+The backend is chosen once, at construction, and reported in ``backend`` /
+``backend_reason``: networks that are chains of ``nn.Linear`` layers and elementwise
+maps use :mod:`sklearn_lla._structured`, which never forms Jacobian rows; every other
+architecture uses ``torch.func`` (reverse mode only).
+
+Thread safety: every method may be called from several threads at once. No
+forward-mode AD is used (its dual levels are process-global); ``torch.func`` transforms
+keep their state per thread; and ``functional_call``, which temporarily swaps a
+module's tensors, runs on a per-thread copy of the module's objects (sharing the
+parameter tensors).
 """
 
 from __future__ import annotations
 
 import copy
-import warnings
+import threading
 
 import torch
-from torch import nn
-from torch.func import functional_call, jacrev, jvp, vjp, vmap
+from torch import Tensor, nn
+from torch.func import functional_call, jacrev, vjp, vmap
 
-__all__ = ["LinearizedNet"]
+from ._structured import StructuredChain
+from ._structured_trace import share_copy
+
+__all__ = ["LinearizedNet", "last_layer_param_names"]
 
 #: Default memory budget (in tensor elements) of one chunk of Jacobian rows.
 JACOBIAN_CHUNK_ELEMENTS = 2**25
+
+#: Output transforms: how module outputs map to ``g``.
+OUTPUT_TRANSFORMS = ("identity", "log")
+
+#: Rows of ``example_input`` used to check the structured chain against the module.
+_CHECK_ROWS = 64
+
+_F64 = torch.float64
+
+
+def _as_input(x, device, dtype) -> Tensor:
+    x = torch.as_tensor(x, device=device)
+    return x.to(dtype) if x.is_floating_point() else x
+
+
+def last_layer_param_names(module: nn.Module, example_input) -> list[str]:
+    """Find the parameters of the last leaf module with trainable parameters.
+
+    One forward pass on ``example_input`` (in eval mode, under ``torch.no_grad``, on a
+    copy of the module's objects that shares its tensors: ``module`` itself is not
+    touched) records the order in which leaf modules (modules without children)
+    execute; the last one that holds parameters with ``requires_grad=True`` is the
+    network's last layer.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The network.
+    example_input : array-like or Tensor of shape (B, ...)
+        A small input batch.
+
+    Returns
+    -------
+    list of str
+        Its trainable parameters' names, as in ``module.named_parameters()``, e.g.
+        ``["layers.4.weight", "layers.4.bias"]``; pass them as ``param_names`` to
+        :class:`LinearizedNet` for last-layer LLA.
+
+    Raises
+    ------
+    ValueError
+        When no leaf module with trainable parameters runs in the forward pass.
+
+    Examples
+    --------
+    >>> from torch import nn
+    >>> import torch
+    >>> net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
+    >>> last_layer_param_names(net, torch.zeros(4, 3))
+    ['2.weight', '2.bias']
+    """
+    mod = share_copy(module).eval()
+    canonical = {id(p): n for n, p in mod.named_parameters()}
+    dtype = next((p.dtype for p in mod.parameters() if p.is_floating_point()), None)
+    x = torch.as_tensor(example_input)
+    if dtype is not None and x.is_floating_point():
+        x = x.to(dtype)
+    order: list[nn.Module] = []
+    handles = [
+        m.register_forward_hook(lambda m_, i, o: order.append(m_))
+        for m in mod.modules()
+        if next(m.children(), None) is None
+    ]
+    try:
+        with torch.no_grad():
+            mod(x)
+    finally:
+        for h in handles:
+            h.remove()
+    for m in reversed(order):
+        names = [
+            canonical[id(p)]
+            for p in m.parameters(recurse=False)
+            if p.requires_grad and id(p) in canonical
+        ]
+        if names:
+            return names
+    raise ValueError(
+        "no leaf module with trainable parameters ran in the forward pass on example_input: "
+        "cannot find the network's last layer (pass param_names explicitly)"
+    )
 
 
 class LinearizedNet:
@@ -38,199 +135,409 @@ class LinearizedNet:
     ----------
     module : torch.nn.Module
         The pretrained network. It is deep-copied; the original is never modified.
-    device : torch.device
+    device : str or torch.device, default="cpu"
         Where to compute.
-    output_transform : {"identity", "log", "binary"}, default="identity"
-        How module outputs map to ``g``: unchanged, ``log`` (a module that outputs
-        probabilities, as skorch's default classifier), or ``binary`` (a single logit
-        ``z`` becomes the two logits ``[0, z]``).
+    output_transform : {"identity", "log"}, default="identity"
+        How module outputs map to ``g``: unchanged, or ``log`` (a module that outputs
+        probabilities, as skorch's default classifier). A one-output network simply
+        has ``C = 1``.
     structured : bool, default=True
-        Use the structured fast path when the module is a supported chain.
+        Allow the structured fast path; ``False`` forces ``torch.func``.
+    example_input : array-like or Tensor of shape (B, ...), optional
+        A small input batch (a few rows suffice; at most 64 are used). Used once, at
+        construction, to check that the network keeps the batch dimension and that
+        the structured chain reproduces the network's outputs. Without it, a random
+        probe of the first ``nn.Linear``'s input width is used for the chain check.
+    trainable_only : bool, default=True
+        Linearise only the parameters with ``requires_grad=True`` in ``module``
+        (read, never changed); the others are held fixed like buffers. ``False``
+        linearises every parameter. Ignored when ``param_names`` is given.
+    param_names : list of str, optional
+        Linearise exactly these parameters (names as in ``module.named_parameters()``),
+        e.g. :func:`last_layer_param_names`; everything else is held fixed.
 
     Attributes
     ----------
+    module : torch.nn.Module
+        The private eval-mode copy.
     params : dict of str to Tensor
-        The pretrained parameters ``theta_hat`` (detached copies).
+        The linearised parameters ``theta_hat`` (detached), in module order.
+    fixed_params : dict of str to Tensor
+        The parameters held fixed.
+    buffers : dict of str to Tensor
+        The module's buffers.
+    names : list of str
+        Keys of ``params``: the order of the flat parameter vector.
     n_params : int
-        ``P``, the number of parameters.
+        ``P``, the number of linearised parameters.
     dtype : torch.dtype
-        The parameters' floating dtype; inputs are cast to it.
+        The linearised parameters' floating dtype; floating inputs are cast to it.
+    device : torch.device
+    output_transform : str
+    backend : {"structured", "functorch"}
+        Which implementation computes the Jacobian products.
+    backend_reason : str
+        Why, in words (e.g. ``"chain of 4 nn.Linear layers and elementwise maps"``, or
+        ``"not a chain: module LayerNorm at 'norm' is not supported: ..."``).
     chain : StructuredChain or None
-        The structured representation, when available.
+        The structured representation when ``backend == "structured"``.
+
+    Notes
+    -----
+    Gram matrices (``ntk``, ``kernel``, ``ntk_diag_blocks``) are accumulated in
+    float64 whatever the network's dtype; ``forward``, ``jvp``, ``vjp`` and
+    ``jacobian`` return the network's dtype. All methods are thread-safe.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch import nn
+    >>> net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    >>> X = torch.randn(5, 3, dtype=torch.float64)
+    >>> lin = LinearizedNet(net, example_input=X)
+    >>> lin.backend, lin.n_params
+    ('structured', 50)
+    >>> lin.ntk(X).shape
+    torch.Size([10, 10])
     """
 
-    def __init__(self, module: nn.Module, device, output_transform: str = "identity",
-                 structured: bool = True):
-        if output_transform not in ("identity", "log", "binary"):
-            raise ValueError(f"unknown output_transform {output_transform!r}")
+    def __init__(
+        self,
+        module: nn.Module,
+        device="cpu",
+        output_transform: str = "identity",
+        structured: bool = True,
+        *,
+        example_input=None,
+        trainable_only: bool = True,
+        param_names: list[str] | None = None,
+    ):
+        if output_transform not in OUTPUT_TRANSFORMS:
+            raise ValueError(
+                f"unknown output_transform {output_transform!r}; expected one of "
+                f"{OUTPUT_TRANSFORMS} (a one-logit network simply has one output)"
+            )
         mod = copy.deepcopy(module).to(device)
         mod.eval()
+        named = dict(mod.named_parameters())
+        if not named:
+            raise ValueError("the network has no parameters to linearise")
+        for n, p in named.items():
+            if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+                raise ValueError(f"parameter {n!r} of the network has non-finite values "
+                                 "(NaN or inf)")
+        selected = self._select(named, trainable_only, param_names)
         for p in mod.parameters():
             p.requires_grad_(False)
         self.module = mod
         self.device = torch.device(device)
         self.output_transform = output_transform
-        self.params = {n: p.detach() for n, p in mod.named_parameters()}
-        if not self.params:
-            raise ValueError("the network has no parameters to linearise")
+        self.structured = bool(structured)
+        self.trainable_only = bool(trainable_only)
+        self.params = {n: named[n].detach() for n in selected}
+        self.fixed_params = {n: p.detach() for n, p in named.items() if n not in self.params}
         self.buffers = {n: b.detach() for n, b in mod.named_buffers()}
+        self._all_params = {n: p.detach() for n, p in named.items()}
         self.names = list(self.params)
         self.shapes = [self.params[n].shape for n in self.names]
         self.numels = [self.params[n].numel() for n in self.names]
         self.n_params = int(sum(self.numels))
         dtypes = {p.dtype for p in self.params.values()}
         if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
-            raise TypeError(f"network parameters must share one floating dtype, got {dtypes}")
+            raise TypeError(f"the linearised parameters must share one floating dtype, "
+                            f"got {dtypes}")
         self.dtype = next(iter(dtypes))
-        self.structured = structured
-        self._build_chain()
+        self._local = threading.local()
+        x = None
+        if example_input is not None:
+            x = _as_input(example_input, self.device, self.dtype)[:_CHECK_ROWS]
+            self._check_batch_dimension(x)
+        self._select_backend(x)
 
-    def _build_chain(self):
+    @staticmethod
+    def _select(named, trainable_only, param_names) -> list[str]:
+        if param_names is not None:
+            if isinstance(param_names, str):
+                raise TypeError("param_names must be a list of parameter names, not a str")
+            wanted = list(param_names)
+            unknown = [n for n in wanted if n not in named]
+            if unknown:
+                raise ValueError(f"unknown parameter names {unknown}; the network has "
+                                 f"{list(named)}")
+            if not wanted:
+                raise ValueError("param_names is empty: no parameter to linearise")
+            return [n for n in named if n in set(wanted)]
+        if trainable_only:
+            selected = [n for n, p in named.items() if p.requires_grad]
+            if not selected:
+                raise ValueError("every parameter of the network has requires_grad=False: "
+                                 "nothing to linearise (pass trainable_only=False to "
+                                 "linearise all of them)")
+            return selected
+        return list(named)
+
+    def _check_batch_dimension(self, x: Tensor) -> None:
+        """The output must have the batch size as its leading dimension.
+
+        Checked on ``x`` and on ``x`` plus one row: an output of shape ``(C,)`` cannot
+        pass both as ``(B,)``.
+        """
+        if x.ndim == 0 or x.shape[0] == 0:
+            raise ValueError("example_input must be a non-empty batch (B, ...)")
+        self.forward(x)
+        self.forward(torch.cat([x, x[:1]]))
+
+    def _select_backend(self, x: Tensor | None) -> None:
+        """Decide, once, between the structured chain and torch.func."""
         self.chain = None
-        self._chain_checked = False
-        if self.structured and self.output_transform == "identity":
-            try:
-                from ._structured import StructuredChain
-            except ImportError:  # pragma: no cover
-                StructuredChain = None
-            if StructuredChain is not None:
-                try:
-                    self.chain = StructuredChain.from_module(self.module)
-                except Exception:  # tracing is best effort; fall back to torch.func
-                    self.chain = None
+        self._trace_input = None
+        if not self.structured:
+            self.backend, self.backend_reason = "functorch", "structured=False was requested"
+            return
+        if self.output_transform != "identity":
+            self.backend = "functorch"
+            self.backend_reason = (f"output_transform={self.output_transform!r} is not "
+                                   "supported by the structured path")
+            return
+        chain, reason = StructuredChain.trace(self.module, x)
+        if chain is None:
+            self.backend, self.backend_reason = "functorch", f"not a chain: {reason}"
+            return
+        if x is not None:  # one row more than traced or checked before: another size
+            probe = torch.cat([x, x[:1]])
+        else:  # a fresh random batch, of another size than the traced one
+            g = torch.Generator().manual_seed(1)
+            probe = torch.randn(8, chain.n_features, generator=g, dtype=_F64)
+            probe = probe.to(dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            ref = self.forward(probe)
+            got = chain.forward(self._all_params, self.buffers, probe)
+        tol = 1e-5 * (1.0 + ref.abs().max().item())
+        if got.shape != ref.shape or not torch.allclose(got, ref, rtol=1e-4, atol=tol):
+            err = (got - ref).abs().max().item() if got.shape == ref.shape else float("nan")
+            self.backend = "functorch"
+            self.backend_reason = (
+                "the structured chain did not reproduce the network's outputs on "
+                f"{'example_input' if x is not None else 'a random probe'} "
+                f"(shapes {tuple(got.shape)} / {tuple(ref.shape)}, max difference {err:.3g})"
+            )
+            return
+        self.chain = chain
+        self._trace_input = (x[:2] if x is not None else None)
+        self.backend = "structured"
+        self.backend_reason = chain.description + (
+            "" if x is not None else
+            " (checked on a random probe input; pass example_input to check on real inputs)"
+        )
 
     def __getstate__(self):
-        # The traced chain holds closures that do not pickle; it is rebuilt on load.
+        # The tensors are pickled once, with the module; the per-thread modules and
+        # the traced chain are rebuilt on load.
         state = self.__dict__.copy()
-        state.pop("chain", None)
-        state.pop("_chain_checked", None)
+        for key in ("chain", "_local", "_all_params", "buffers", "fixed_params"):
+            state.pop(key, None)
+        state["params"] = list(self.params)
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._build_chain()
+        self._local = threading.local()
+        named = dict(self.module.named_parameters())
+        self._all_params = {n: p.detach() for n, p in named.items()}
+        self.params = {n: self._all_params[n] for n in state["params"]}
+        self.fixed_params = {n: p for n, p in self._all_params.items() if n not in self.params}
+        self.buffers = {n: b.detach() for n, b in self.module.named_buffers()}
+        self.chain = None
+        if self.backend == "structured":
+            chain, reason = StructuredChain.trace(self.module, self._trace_input)
+            if chain is None:
+                self.backend = "functorch"
+                self.backend_reason = ("the structured chain could not be rebuilt after "
+                                       f"unpickling: {reason}")
+            else:
+                self.chain = chain
 
     # ------------------------------------------------------------------ basics
-    def _g(self, params, x):
-        out = functional_call(self.module, (params, self.buffers), (x,))
+    def _module(self) -> nn.Module:
+        """This thread's copy of the module's objects, sharing its tensors.
+
+        ``functional_call`` swaps tensors on the module it is given, so each thread
+        runs its own copy; :attr:`module` itself is never swapped, so copying it from
+        any thread at any time is safe.
+        """
+        mod = getattr(self._local, "module", None)
+        if mod is None:
+            mod = share_copy(self.module)
+            self._local.module = mod
+        return mod
+
+    def _finish(self, out, B: int) -> Tensor:
+        if not isinstance(out, Tensor):
+            raise TypeError(f"the network returned a {type(out).__name__}, expected a Tensor")
+        if out.ndim == 0 and B == 1:  # a (B,)-output network squeezed a batch of one
+            out = out.reshape(1)
+        if out.ndim == 0 or out.shape[0] != B:
+            raise ValueError(
+                f"the network returned shape {tuple(out.shape)} for a batch of {B} inputs; "
+                f"expected ({B}, C) or ({B},): the output must keep the batch dimension"
+            )
         if out.ndim == 1:
             out = out.unsqueeze(-1)
         elif out.ndim > 2:
-            out = out.reshape(out.shape[0], -1)
+            out = out.reshape(B, -1)
         if self.output_transform == "log":
             out = torch.log(out.clamp_min(torch.finfo(out.dtype).tiny))
-        elif self.output_transform == "binary":
-            if out.shape[-1] != 1:
-                raise ValueError("a binary classifier net must have exactly one output")
-            out = torch.cat([torch.zeros_like(out), out], dim=-1)
         return out
 
-    def _use_chain(self, x) -> bool:
-        """Use the structured path, after checking once that it reproduces ``g``."""
-        if self.chain is None:
-            return False
-        if not self._chain_checked:
-            xs = x[: min(len(x), 8)]
-            with torch.no_grad():
-                ref = self._g(self.params, xs)
-                try:
-                    got = self.chain.forward(self.params, self.buffers, xs)
-                    ok = got.shape == ref.shape and torch.allclose(
-                        got, ref, rtol=1e-4, atol=1e-5 * (1 + ref.abs().max().item())
-                    )
-                except Exception:
-                    ok = False
-            if not ok:
-                warnings.warn(
-                    "the structured NTK path did not reproduce the network's outputs; "
-                    "falling back to generic Jacobians",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-                self.chain = None
-            self._chain_checked = True
-        return self.chain is not None
+    def _g(self, params, x):
+        out = functional_call(self._module(), (params, self.fixed_params, self.buffers), (x,))
+        return self._finish(out, x.shape[0])
 
-    def to_input(self, x) -> torch.Tensor:
-        """Cast an input batch to the network's dtype and device."""
-        return torch.as_tensor(x).to(device=self.device, dtype=self.dtype)
+    def _input(self, x) -> Tensor:
+        if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != self.dtype:
+            return x.to(self.dtype)
+        return x
 
-    @torch.no_grad()
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Network outputs ``g(x)`` of shape (B, C)."""
-        return self._g(self.params, x)
+    def forward(self, x: Tensor) -> Tensor:
+        """Evaluate the network outputs ``g(x)``.
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, ...)
+            Input batch; floating inputs are cast to :attr:`dtype`.
+
+        Returns
+        -------
+        Tensor of shape (B, C)
+            The (transformed) network outputs.
+        """
+        x = self._input(x)
+        with torch.no_grad():
+            return self._finish(self._module()(x), x.shape[0])
 
     __call__ = forward
 
-    def n_outputs(self, x: torch.Tensor) -> int:
-        """Number of outputs ``C`` (evaluated on a sample input)."""
+    def n_outputs(self, x: Tensor) -> int:
+        """Count the network outputs ``C``.
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, ...)
+            Sample inputs; only the first row is evaluated.
+
+        Returns
+        -------
+        int
+            The number of outputs ``C``.
+        """
         return int(self.forward(x[:1]).shape[-1])
 
     # ------------------------------------------------------------ flat vectors
-    def flatten(self, tree: dict) -> torch.Tensor:
-        """Stack a dict of per-parameter tensors with a leading batch dim into (K, P)."""
-        return torch.cat([tree[n].reshape(tree[n].shape[0], -1) for n in self.names], dim=1)
+    def unflatten(self, flat: Tensor) -> dict:
+        """Split flat parameter vectors into per-parameter tensors.
 
-    def unflatten(self, flat: torch.Tensor) -> dict:
-        """Inverse of :meth:`flatten`: (K, P) to a dict of (K, *shape) tensors."""
+        Parameters
+        ----------
+        flat : Tensor of shape (K, P)
+            ``K`` vectors over the linearised parameters.
+
+        Returns
+        -------
+        dict of str to Tensor of shape (K, *param_shape)
+            In :attr:`names` order.
+        """
+        if flat.ndim != 2 or flat.shape[1] != self.n_params:
+            raise ValueError(f"expected shape (K, {self.n_params}), got {tuple(flat.shape)}")
         out, start = {}, 0
         for n, shape, k in zip(self.names, self.shapes, self.numels):
             out[n] = flat[:, start:start + k].reshape(flat.shape[0], *shape)
             start += k
         return out
 
-    def flat_params(self) -> torch.Tensor:
-        """``theta_hat`` as a flat vector of length P."""
+    def flat_params(self) -> Tensor:
+        """Return ``theta_hat``, the linearised parameters, as one flat vector.
+
+        Returns
+        -------
+        Tensor of shape (P,)
+            The parameters in :attr:`names` order, each flattened.
+        """
         return torch.cat([self.params[n].reshape(-1) for n in self.names])
 
+    def _tangents(self, tangents) -> dict:
+        if isinstance(tangents, Tensor):
+            return self.unflatten(tangents.to(self.dtype))
+        unknown = set(tangents) - set(self.names)
+        if unknown:
+            raise ValueError(f"tangents for parameters that are not linearised: "
+                             f"{sorted(unknown)}")
+        return {n: t.to(self.dtype) for n, t in tangents.items()}
+
     # ---------------------------------------------------------------- products
-    def jvp(self, x: torch.Tensor, tangents) -> tuple[torch.Tensor, torch.Tensor]:
-        """Outputs and Jacobian-vector products for many tangents in one pass.
+    def jvp(self, x: Tensor, tangents) -> tuple[Tensor, Tensor]:
+        """Compute outputs and Jacobian-vector products for many tangents in one pass.
 
         Parameters
         ----------
         x : Tensor of shape (B, ...)
+            Input batch.
         tangents : Tensor of shape (K, P) or dict of (K, *param_shape)
+            Directions in the linearised parameters; missing dict entries count as 0.
 
         Returns
         -------
         g : Tensor of shape (B, C)
+            The network outputs.
         jv : Tensor of shape (B, C, K)
             ``jv[b, :, k] = J(x_b) t_k``.
         """
-        if isinstance(tangents, torch.Tensor):
-            tangents = self.unflatten(tangents.to(self.dtype))
-        if self._use_chain(x):
-            return self.chain.jvp(self.params, self.buffers, x, tangents)
-
-        def f(p):
-            return self._g(p, x)
-
-        def one(t):
-            return jvp(f, (self.params,), (t,))
-
+        x = self._input(x)
+        T = self._tangents(tangents)
+        if self.chain is not None:
+            with torch.no_grad():
+                return self.chain.jvp(self._all_params, self.buffers, x, T)
+        K = next((t.shape[0] for t in T.values()), None)
+        if K is None:
+            raise ValueError("tangents is empty")
+        for n in self.names:
+            if n not in T:
+                T[n] = torch.zeros((), dtype=self.dtype, device=self.device).expand(
+                    K, *self.params[n].shape)
+        # J t = d/du <J^T u, t>: the VJP of the (linear) VJP map, batched over tangents.
+        # Reverse mode only: forward-mode dual levels are process-global, not per thread.
+        g, vjp_fn = vjp(lambda p: self._g(p, x), self.params)
+        _, vjp_t = vjp(lambda u: vjp_fn(u)[0], torch.zeros_like(g))
         with torch.no_grad():
-            g, jv = vmap(one, out_dims=(None, 0))(tangents)
-        return g, jv.permute(1, 2, 0)
+            (jv,) = vmap(vjp_t)(T)
+        return g.detach(), jv.permute(1, 2, 0)
 
-    def vjp(self, x: torch.Tensor, cotangents: torch.Tensor) -> dict:
-        """Vector-Jacobian products ``sum_b J(x_b)^T u_k[b]``.
+    def vjp(self, x: Tensor, cotangents: Tensor) -> dict:
+        """Compute vector-Jacobian products ``sum_b J(x_b)^T u_k[b]``.
 
         Parameters
         ----------
         x : Tensor of shape (B, ...)
+            Input batch.
         cotangents : Tensor of shape (K, B, C)
+            ``K`` cotangents ``u_k`` over the outputs.
 
         Returns
         -------
         dict of str to Tensor of shape (K, *param_shape)
+            One entry per linearised parameter, in :attr:`names` order.
         """
+        x = self._input(x)
+        cotangents = cotangents.to(self.dtype)
+        if self.chain is not None:
+            with torch.no_grad():
+                return self.chain.vjp(self._all_params, self.buffers, x, cotangents,
+                                      self.names)
         _, fn = vjp(lambda p: self._g(p, x), self.params)
         with torch.no_grad():
-            (grads,) = vmap(fn)(cotangents.to(self.dtype))
+            (grads,) = vmap(fn)(cotangents)
         return grads
 
-    def _jacobian_dense(self, x: torch.Tensor) -> torch.Tensor:
+    def _jacobian_dense(self, x: Tensor) -> Tensor:
         def single(p, xi):
             return self._g(p, xi.unsqueeze(0)).squeeze(0)
 
@@ -239,29 +546,75 @@ class LinearizedNet:
         C = next(iter(jac.values())).shape[1]
         return torch.cat([jac[n].reshape(B, C, -1) for n in self.names], dim=2)
 
-    def jacobian(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-example Jacobians of shape (B, C, P) (use :meth:`jacobian_chunks` for many points)."""
-        if self._use_chain(x):
-            with torch.no_grad():
-                F = self.chain.features(self.params, self.buffers, x)
-                return F.dense().reshape(x.shape[0], -1, self.n_params)
+    def jacobian(self, x: Tensor) -> Tensor:
+        """Compute per-example Jacobians (see :meth:`jacobian_chunks` for many points).
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, ...)
+            Input batch.
+
+        Returns
+        -------
+        Tensor of shape (B, C, P)
+            Columns in :attr:`names` order, in the network's dtype.
+        """
+        x = self._input(x)
         with torch.no_grad():
+            if self.chain is not None:
+                F = self.chain.features(self._all_params, self.buffers, x,
+                                        param_names=self.names)
+                return F.dense().reshape(x.shape[0], -1, self.n_params)
             return self._jacobian_dense(x)
 
     def chunk_size(self, n_outputs: int, budget: int = JACOBIAN_CHUNK_ELEMENTS) -> int:
-        """Number of points whose Jacobian rows fit in ``budget`` elements."""
+        """Count the points whose Jacobian rows fit in a memory budget.
+
+        Parameters
+        ----------
+        n_outputs : int
+            ``C``.
+        budget : int, default=2**25
+            Tensor elements allowed for one chunk.
+
+        Returns
+        -------
+        int
+            At least 1.
+        """
         return max(1, budget // max(1, n_outputs * self.n_params))
 
-    def jacobian_chunks(self, X: torch.Tensor, n_outputs: int, budget: int = JACOBIAN_CHUNK_ELEMENTS):
-        """Yield ``(slice, J)`` with ``J`` of shape (b, C, P) over chunks of ``X``."""
+    def jacobian_chunks(self, X: Tensor, n_outputs: int,
+                        budget: int = JACOBIAN_CHUNK_ELEMENTS):
+        """Iterate over per-example Jacobians of ``X`` in memory-bounded chunks.
+
+        Parameters
+        ----------
+        X : Tensor of shape (N, ...)
+            Inputs.
+        n_outputs : int
+            ``C``.
+        budget : int, default=2**25
+            Tensor elements allowed for one chunk (see :meth:`chunk_size`).
+
+        Yields
+        ------
+        slice
+            The rows of ``X`` in the chunk.
+        Tensor of shape (b, C, P)
+            Their Jacobians.
+        """
         step = self.chunk_size(n_outputs, budget)
         for start in range(0, X.shape[0], step):
             sl = slice(start, min(start + step, X.shape[0]))
             yield sl, self.jacobian(X[sl])
 
-    def ntk(self, x1: torch.Tensor, x2: torch.Tensor | None = None,
-            out1: torch.Tensor | None = None, out2: torch.Tensor | None = None) -> torch.Tensor:
-        """Neural tangent kernel block ``J_1 J_2^T``.
+    def _features(self, x, out_idx=None):
+        return self.chain.features(self._all_params, self.buffers, x, out_idx, self.names)
+
+    def ntk(self, x1: Tensor, x2: Tensor | None = None,
+            out1: Tensor | None = None, out2: Tensor | None = None) -> Tensor:
+        """Compute a neural tangent kernel block ``J_1 J_2^T``, in float64.
 
         Parameters
         ----------
@@ -273,58 +626,80 @@ class LinearizedNet:
 
         Returns
         -------
-        Tensor of shape (rows1, rows2)
+        Tensor of shape (rows1, rows2), dtype float64
+            The kernel block.
         """
         same = x2 is None
         if same:
             x2, out2 = x1, out1
-        if self._use_chain(x1):
+        x1, x2 = self._input(x1), self._input(x2)
+        if self.chain is not None:
             with torch.no_grad():
-                F1 = self.chain.features(self.params, self.buffers, x1, out1)
-                F2 = F1 if same else self.chain.features(self.params, self.buffers, x2, out2)
+                F1 = self._features(x1, out1)
+                F2 = F1 if same else self._features(x2, out2)
                 return F1.gram(F2)
         R1 = self._rows(x1, out1)
         R2 = R1 if same else self._rows(x2, out2)
         return R1 @ R2.T
 
     def _rows(self, x, out_idx):
-        J = self.jacobian(x)
+        J = self.jacobian(x).to(_F64)
         if out_idx is None:
             return J.reshape(-1, J.shape[-1])
         return J[torch.arange(J.shape[0], device=J.device), out_idx]
 
-    def gradient_rows_vjp(self, x: torch.Tensor, out_idx: torch.Tensor, U: torch.Tensor) -> dict:
-        """``R^T U`` where ``R`` holds the rows ``grad g_{out_idx[m]}(x_m)``.
+    def gradient_rows_vjp(self, x: Tensor, out_idx: Tensor, U: Tensor) -> dict:
+        """Compute ``R^T U`` where ``R`` holds the rows ``grad g_{out_idx[m]}(x_m)``.
 
         Parameters
         ----------
         x : Tensor of shape (M, ...)
+            Input points.
         out_idx : LongTensor of shape (M,)
+            One output index per point.
         U : Tensor of shape (M, K)
+            ``K`` weight vectors over the rows.
 
         Returns
         -------
         dict of str to Tensor of shape (K, *param_shape)
+            One entry per linearised parameter, in :attr:`names` order.
         """
+        x = self._input(x)
         U = U.to(self.dtype)
-        if self._use_chain(x):
+        if self.chain is not None:
             with torch.no_grad():
-                F = self.chain.features(self.params, self.buffers, x, out_idx)
-                return F.vjp(U)
+                return self._features(x, out_idx).vjp(U)
         C = self.n_outputs(x)
         onehot = torch.nn.functional.one_hot(out_idx, C).to(self.dtype)  # (M, C)
         cot = U.T[:, :, None] * onehot[None]  # (K, M, C)
         return self.vjp(x, cot)
 
-    def kernel(self, X1: torch.Tensor, X2: torch.Tensor | None = None,
+    def kernel(self, X1: Tensor, X2: Tensor | None = None,
                n_outputs: int | None = None, dtype=torch.float64,
-               out1: torch.Tensor | None = None, out2: torch.Tensor | None = None) -> torch.Tensor:
-        """Full NTK Gram matrix, assembled block by block.
+               out1: Tensor | None = None, out2: Tensor | None = None) -> Tensor:
+        """Assemble a full NTK Gram matrix block by block (computed in float64).
 
         Without ``out1``/``out2`` the rows are all outputs of every point (ordered
         ``b * C + c``), giving a ``(n1 * C, n2 * C)`` matrix; with them, one row per
         point (the gradient of output ``out[b]``). Each block's Jacobian rows fit in
         the chunk budget, so memory beyond the result stays bounded.
+
+        Parameters
+        ----------
+        X1, X2 : Tensor
+            Inputs; ``X2=None`` means ``X2 = X1`` (and ``out2 = out1``).
+        n_outputs : int, optional
+            ``C`` (evaluated on ``X1`` when not given).
+        dtype : torch.dtype, default=torch.float64
+            The dtype of the result.
+        out1, out2 : LongTensor, optional
+            As in :meth:`ntk`.
+
+        Returns
+        -------
+        Tensor of shape (rows1, rows2)
+            The Gram matrix, of dtype ``dtype``.
         """
         C = n_outputs or self.n_outputs(X1)
         same = X2 is None
@@ -349,17 +724,30 @@ class LinearizedNet:
                     blk = self.ntk(X1[si], None, sel(out1, si))
                 else:
                     blk = self.ntk(X1[si], X2[sj], sel(out1, si), sel(out2, sj))
-                out[si.start * r1:si.stop * r1, sj.start * r2:sj.stop * r2] = blk.to(dtype)
+                out[si.start * r1:si.stop * r1, sj.start * r2:sj.stop * r2] = blk
                 if same and j > i:
-                    out[sj.start * r2:sj.stop * r2, si.start * r1:si.stop * r1] = blk.T.to(dtype)
+                    out[sj.start * r2:sj.stop * r2, si.start * r1:si.stop * r1] = blk.T
         return out
 
-    def ntk_diag_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-point NTK blocks ``J(x_b) J(x_b)^T`` of shape (B, C, C)."""
-        if self._use_chain(x):
+    def ntk_diag_blocks(self, x: Tensor) -> Tensor:
+        """Compute the per-point NTK blocks ``J(x_b) J(x_b)^T``, in float64.
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, ...)
+            Input batch.
+
+        Returns
+        -------
+        Tensor of shape (B, C, C), dtype float64
+            One block per point.
+        """
+        x = self._input(x)
+        if self.chain is not None:
             with torch.no_grad():
-                return self.chain.features(self.params, self.buffers, x).diag_blocks()
+                return self._features(x).diag_blocks()
         out = []
         for _, J in self.jacobian_chunks(x, self.n_outputs(x)):
+            J = J.to(_F64)
             out.append(J @ J.transpose(1, 2))
         return torch.cat(out)

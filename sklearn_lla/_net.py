@@ -33,8 +33,7 @@ except ImportError:  # pragma: no cover - older sklearn
     FrozenEstimator = None
 
 try:
-    from skorch import NeuralNet, NeuralNetBinaryClassifier, NeuralNetClassifier
-    from skorch import NeuralNetRegressor
+    from skorch import NeuralNet, NeuralNetBinaryClassifier, NeuralNetClassifier, NeuralNetRegressor
 except ImportError:  # pragma: no cover - skorch is a hard dependency
     NeuralNet = NeuralNetClassifier = NeuralNetRegressor = NeuralNetBinaryClassifier = None
 
@@ -65,6 +64,14 @@ class DefaultMLP(nn.Module):
         Input standardisation; defaults to 0 and 1.
     y_mean, y_scale : array-like of shape (n_outputs,), optional
         Output de-standardisation; defaults to 0 and 1.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from sklearn_lla.nets import DefaultMLP
+    >>> net = DefaultMLP(n_features=3, n_outputs=2, hidden_layer_sizes=(8,))
+    >>> net(torch.zeros(4, 3, dtype=torch.float64)).shape
+    torch.Size([4, 2])
     """
 
     def __init__(
@@ -97,6 +104,18 @@ class DefaultMLP(nn.Module):
         self.layers = nn.Sequential(*layers)
 
     def forward(self, x):
+        """Outputs on the original target scale.
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, n_features)
+            Inputs on their original scale.
+
+        Returns
+        -------
+        Tensor of shape (B, n_outputs)
+            The network's outputs.
+        """
         h = (x - self.x_mean) / self.x_scale
         h = self.layers(h)
         return h * self.y_scale + self.y_mean
@@ -168,26 +187,23 @@ class ResolvedNet:
     net : object
         What ``net_`` exposes: the fitted skorch net (the user's or one trained in
         ``fit``) or the user's module.
-    trained_here : bool
-        Whether ``fit`` trained it.
-    output_transform : {"identity", "log", "binary"}
-        How module outputs become the latent ``g(x)``: as they are, ``log`` of
-        probabilities (skorch's default classifier ends in a softmax and uses
-        ``NLLLoss``), or a single binary logit ``z`` mapped to logits ``[0, z]``.
+    output_transform : {"identity", "log"}
+        How module outputs become the latent ``g(x)``: as they are (logits, or one
+        logit for a binary net), or ``log`` of probabilities (skorch's default
+        classifier ends in a softmax and uses ``NLLLoss``).
     classes : ndarray or None
         Class labels a pretrained skorch classifier was trained with, if known.
     """
 
     module: nn.Module
     net: object
-    trained_here: bool
     output_transform: str = "identity"
     classes: np.ndarray | None = None
 
 
 def _classifier_transform(skorch_net) -> str:
     if NeuralNetBinaryClassifier is not None and isinstance(skorch_net, NeuralNetBinaryClassifier):
-        return "binary"
+        return "identity"  # one logit: the Bernoulli likelihood
     crit = getattr(skorch_net, "criterion_", None) or getattr(skorch_net, "criterion", None)
     crit_cls = crit if isinstance(crit, type) else type(crit)
     if isinstance(crit_cls, type) and issubclass(crit_cls, nn.NLLLoss):
@@ -225,7 +241,7 @@ def resolve_net(net, task: str, X: np.ndarray, y: np.ndarray, n_outputs: int, se
     """
     inner, frozen = _unwrap(net)
     if isinstance(inner, nn.Module):
-        return ResolvedNet(module=inner, net=inner, trained_here=False)
+        return ResolvedNet(module=inner, net=inner)
     if NeuralNet is None or not (inner is None or isinstance(inner, NeuralNet)):
         raise TypeError(
             "net must be None, a skorch NeuralNet, sklearn.frozen.FrozenEstimator(net) or a "
@@ -239,7 +255,7 @@ def resolve_net(net, task: str, X: np.ndarray, y: np.ndarray, n_outputs: int, se
             )
         transform = _classifier_transform(inner) if task == "classification" else "identity"
         classes = _skorch_classes(inner) if task == "classification" else None
-        return ResolvedNet(inner.module_, inner, False, transform, classes)
+        return ResolvedNet(inner.module_, inner, transform, classes)
 
     # Train a net here: the default MLP, or a clone of the user's unfitted skorch net.
     skorch_net = make_default_net(task, X, y, n_outputs, device) if inner is None else clone(inner)
@@ -257,4 +273,4 @@ def resolve_net(net, task: str, X: np.ndarray, y: np.ndarray, n_outputs: int, se
         # partial_fit trains max_epochs without re-initialising the module above.
         skorch_net.partial_fit(X_fit, y_fit)
     transform = _classifier_transform(skorch_net) if task == "classification" else "identity"
-    return ResolvedNet(skorch_net.module_, skorch_net, True, transform, None)
+    return ResolvedNet(skorch_net.module_, skorch_net, transform, None)

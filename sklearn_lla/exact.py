@@ -1,27 +1,21 @@
 """Exact linearized Laplace approximation: the reference every approximation is tested against.
 
-The GGN posterior precision ``H = sum_n J_n^T Lam_n J_n + I / s0^2`` is formed
-explicitly in float64, either
+The GGN posterior is formed explicitly in float64, either
 
-* in **parameter space** (``P x P``; cost ``N C P^2 + P^3``), predictive
-  ``S(x) = J(x) H^-1 J(x)^T``, or
-* in **function space** (``NC x NC``; cost ``(NC)^2 P + (NC)^3``), with
-  ``Lam = A A^T`` (see :mod:`sklearn_lla._likelihoods`) and Woodbury,
-  ``S(x) = s0^2 k(x,x) - s0^4 k(x,X) A (I + s0^2 A^T K A)^-1 A^T k(X,x)``,
-  which needs no inverse of ``Lam`` (singular for softmax).
+* in **parameter space** (``P x P``): the feature-space GLM posterior
+  (:class:`~sklearn_lla._glm.GLMPosterior`) with the Jacobian itself as features
+  (``V = I``), ``S(x) = J(x) H^-1 J(x)^T``;
+* in **function space** (``NC x NC``), the dual form with ``Lam = A A^T`` and
+  Woodbury, ``S(x) = s0^2 k(x,x) - s0^4 k(x,X) A (I + s0^2 A^T K A)^-1 A^T k(X,x)``,
+  which needs no inverse of ``Lam`` (singular for softmax); formed in place, so it
+  needs about ``2 (NC)^2`` doubles;
+* on the **last layer** only (``subset_of_weights="last_layer"``,
+  laplace-torch's default structure): the GLM posterior of the network linearised
+  in its last layer's parameters, the other weights held fixed.
 
-``space="auto"`` takes whichever of ``P`` and ``NC`` is smaller. Hyperparameters
-(``"auto"``) maximise the Laplace log marginal likelihood, which for the linearised
-model is
-
-``log Z = log p(y | theta_hat) - ||theta_hat||^2 / (2 s0^2) - 1/2 sum_i log(1 + s0^2 e_i)``
-
-where ``e_i`` are the eigenvalues of the GGN ``sum_n J_n^T Lam_n J_n`` (those of the
-function-space matrix ``A^T K A`` are the same non-zero ones). For regression ``Lam =
-I / s2`` so ``e_i = e_i^(1) / s2`` with ``e_i^(1)`` the eigenvalues of ``J^T J``, and
-``log p(y | theta_hat)`` is the Gaussian log likelihood of the residuals; this is the
-closed-form marginal likelihood of the linearised model around the MAP. One
-eigendecomposition serves every candidate ``(s0^2, s2)``.
+Hyperparameters (``"auto"``): the validation NLL when validation data is available
+(``fit(..., validation_data=...)``, or rows held out from training a default net),
+otherwise the closed-form Laplace evidence (:mod:`sklearn_lla._hyper`).
 """
 
 from __future__ import annotations
@@ -30,351 +24,450 @@ import math
 
 import numpy as np
 import torch
-from scipy.optimize import minimize
+from sklearn.utils._param_validation import StrOptions
 
-from ._base import NET_PARAM_DOC, LaplaceClassifierMixin, LaplaceRegressorMixin
-from ._likelihoods import CategoricalLikelihood, GaussianLikelihood
-from ._utils import iter_batches, safe_cholesky
+from ._base import (
+    CLASSIFIER_CONSTRAINTS,
+    REGRESSOR_CONSTRAINTS,
+    LaplaceClassifierMixin,
+    LaplaceRegressorMixin,
+)
+from ._glm import GLMPosterior, JacobianFeatures, _check_finite_outputs
+from ._hyper import Evidence, Fixed, ValidationGrid
+from ._protocol import LatentPredictive, Posterior
+from ._utils import cholesky_inplace, safe_eigh
 
-try:
-    from tqdm.auto import tqdm
-except ImportError:  # pragma: no cover
-    tqdm = None
-
-__all__ = ["LLAPosterior", "LLARegressor", "LLAClassifier", "log_marginal_likelihood"]
+__all__ = ["FunctionSpacePosterior", "LLARegressor", "LLAClassifier", "MAX_EXACT_DIM"]
 
 #: Largest ``min(P, N*C)`` the exact estimators accept (a dense float64 matrix that
 #: size takes 3.2 GB; its decomposition dominates the run time).
 MAX_EXACT_DIM = 20_000
 
-_LOG_BOUNDS = (math.log(1e-12), math.log(1e12))
-
-
-def log_marginal_likelihood(prior_variance, noise_variance, *, eigvals, theta_sq_norm,
-                            rss=None, n_obs=None, log_lik=None):
-    """Laplace log marginal likelihood of the linearised model (see module docstring).
-
-    Parameters
-    ----------
-    prior_variance : float
-        ``s0^2``.
-    noise_variance : float or None
-        ``s2`` for regression (``eigvals`` are then those of ``J^T J``); ``None`` for
-        classification (``eigvals`` are those of the GGN and ``log_lik`` is given).
-    eigvals : ndarray
-        Eigenvalues of the unit-noise GGN (regression) or the GGN (classification).
-    theta_sq_norm : float
-        ``||theta_hat||^2``.
-    rss, n_obs : float, int
-        Residual sum of squares and number of scalar observations (regression).
-    log_lik : float
-        ``log p(y | theta_hat)`` (classification).
-    """
-    e = np.clip(np.asarray(eigvals, dtype=np.float64), 0.0, None)
-    if noise_variance is None:
-        data = log_lik
-        scaled = prior_variance * e
-    else:
-        data = -0.5 * n_obs * math.log(2 * math.pi * noise_variance) - 0.5 * rss / noise_variance
-        scaled = prior_variance * e / noise_variance
-    return data - 0.5 * theta_sq_norm / prior_variance - 0.5 * np.log1p(scaled).sum()
-
-
-def _optimise_evidence(eigvals, theta_sq_norm, n_params, prior_variance, noise_variance,
-                       rss=None, n_obs=None, log_lik=None):
-    """Maximise the log marginal likelihood over the ``"auto"`` hyperparameters.
-
-    Works on log variances with analytic gradients (L-BFGS-B). Returns
-    ``(prior_variance, noise_variance)``.
-    """
-    e = np.clip(np.asarray(eigvals, dtype=np.float64), 0.0, None)
-    regression = noise_variance is not None
-    fit_prior = prior_variance == "auto"
-    fit_noise = regression and noise_variance == "auto"
-    s0 = theta_sq_norm / max(n_params, 1) if fit_prior else prior_variance
-    s0 = max(s0, 1e-8)
-    s2 = (max(rss / n_obs, 1e-10) if fit_noise else noise_variance) if regression else None
-    if not (fit_prior or fit_noise):
-        return s0, s2
-
-    def unpack(u):
-        i = 0
-        a, b = s0, s2
-        if fit_prior:
-            a = math.exp(u[i])
-            i += 1
-        if fit_noise:
-            b = math.exp(u[i])
-        return a, b
-
-    def negobj(u):
-        a, b = unpack(u)
-        r = a * e / b if regression else a * e
-        frac = r / (1.0 + r)
-        val = log_marginal_likelihood(a, b, eigvals=e, theta_sq_norm=theta_sq_norm, rss=rss,
-                                      n_obs=n_obs, log_lik=log_lik)
-        grad = []
-        if fit_prior:
-            grad.append(0.5 * theta_sq_norm / a - 0.5 * frac.sum())
-        if fit_noise:
-            grad.append(-0.5 * n_obs + 0.5 * rss / b + 0.5 * frac.sum())
-        return -val, -np.asarray(grad)
-
-    u0 = ([math.log(s0)] if fit_prior else []) + ([math.log(s2)] if fit_noise else [])
-    res = minimize(negobj, np.asarray(u0), jac=True, method="L-BFGS-B",
-                   bounds=[_LOG_BOUNDS] * len(u0))
-    return unpack(res.x)
-
 
 def _choose_space(space, n_params, n_rows):
-    if space not in ("auto", "parameter", "function"):
-        raise ValueError(f"space must be 'auto', 'parameter' or 'function', got {space!r}")
     if space == "auto":
         space = "parameter" if n_params <= n_rows else "function"
     dim = n_params if space == "parameter" else n_rows
     if dim > MAX_EXACT_DIM:
         raise ValueError(
             f"exact LLA in {space} space needs a dense {dim} x {dim} matrix (P={n_params}, "
-            f"N*C={n_rows}); the limit is {MAX_EXACT_DIM}. Use ELLARegressor/ELLAClassifier "
-            "(or another scalable method) for problems this large."
+            f"N*C={n_rows}); the limit is {MAX_EXACT_DIM}. Use subset_of_weights='last_layer', "
+            "ELLARegressor/ELLAClassifier or another scalable method for problems this large."
         )
     return space
 
 
-class LLAPosterior:
-    """Exact GGN linearized Laplace posterior (pure torch).
+class FunctionSpacePosterior(Posterior):
+    """Exact LLA in its dual (function-space) form.
 
     Parameters
     ----------
-    likelihood : GaussianLikelihood or CategoricalLikelihood
-        For regression the noise variance may still be ``"auto"`` when passed as
-        ``noise_variance``; the likelihood object is then created after the evidence
-        optimisation.
     prior_variance : float or "auto"
     noise_variance : float, "auto" or None
         ``None`` for classification.
-    space : {"auto", "parameter", "function"}
-
-    Attributes
-    ----------
-    prior_variance, noise_variance : float
-        The values in use (after ``"auto"`` selection).
-    space : str
-        The space actually used.
-    log_marginal_likelihood : float
-        The evidence at the selected hyperparameters.
+    hyper : {"auto", "evidence", "validation"}, default="auto"
+        As in :class:`~sklearn_lla._glm.GLMPosterior`.
     """
 
-    def __init__(self, prior_variance="auto", noise_variance=None, space="auto", verbose=0):
+    fitted_attributes = ("prior_variance", "likelihood", "hyper_strategy", "hyper_trace",
+                         "log_evidence")
+
+    def __init__(self, prior_variance="auto", noise_variance=None, hyper="auto"):
         self.prior_variance = prior_variance
         self.noise_variance = noise_variance
-        self.space = space
-        self.verbose = verbose
+        self.hyper = hyper
 
-    # ----------------------------------------------------------------- fitting
-    def fit(self, lin, X, y, n_outputs):
-        regression = self.noise_variance is not None
-        N, C, P = X.shape[0], n_outputs, lin.n_params
-        self.space = _choose_space(self.space, P, N * C)
+    def _sandwich_(self, K, A):
+        """``K <- blockdiag(A)^T K blockdiag(A)`` in place (batched over points)."""
+        N, C, _ = A.shape
+        K4 = K.view(N, C, N, C)
+        for i in range(N):  # left: rows of point i
+            K4[i] = torch.einsum("ck,cmd->kmd", A[i], K4[i]) if C > 1 else K4[i] * A[i, 0, 0]
+        for j in range(N):  # right: columns of point j
+            K4[:, :, j, :] = K4[:, :, j, :] @ A[j] if C > 1 else K4[:, :, j, :] * A[j, 0, 0]
+        return K
+
+    def fit(self, data):
+        """Form ``W = A^T K A``, choose hyperparameters and factorise in place."""
+        lin, lik = data.lin, data.likelihood
+        N, C = data.n_samples, data.n_outputs
+        self.X_ = data.rows(slice(0, N))[0]
+        y = data.y
+        f = torch.cat([lin.forward(x).double() for x, _ in data.batches()])
+        _check_finite_outputs(f, "training rows")
+        self.lin = lin
+        regression = lik.task == "regression"
+        if regression:
+            self._A = None
+            fit_stat = float(((y - f) ** 2).sum())
+        else:
+            self._A = lik.lam_factor(f)
+            fit_stat = float(lik.log_prob(f, y).sum())
+        W = lin.kernel(self.X_, n_outputs=C)  # float64 (NC, NC), the only N^2 buffer kept
+        if self._A is not None:
+            self._sandwich_(W, self._A)
         theta = lin.flat_params().double()
         theta_sq = float(theta @ theta)
-        f = torch.cat([lin.forward(X[sl]) for sl in iter_batches(N, 4096)]).double()
+        strategy = self.hyper
+        auto = self.prior_variance == "auto" or self.noise_variance == "auto"
+        if not auto:
+            strategy = "fixed"
+        elif strategy == "auto":
+            strategy = "validation" if data.validation is not None else "evidence"
+        s2 = self.noise_variance if regression else None
+        self._Q = None
+        if strategy == "fixed":
+            res = Fixed().select(self.prior_variance, s2)
+            e = None
+        elif strategy == "evidence":
+            e = torch.linalg.eigvalsh(W).clamp_min(0)  # a transient copy of W
+            res = Evidence().select(self.prior_variance, s2, eigvals=e.cpu().numpy(),
+                                    theta_sq_norm=theta_sq, data_fit=fit_stat, n_obs=N * C,
+                                    n_params=lin.n_params)
+        else:
+            e, self._Q = safe_eigh(W, "function-space GGN")
+            e = e.clamp_min(0)
+            del W
+            res = self._validate(data, e, fit_stat)
+        self.prior_variance = res.prior_variance
+        self.noise_variance = res.noise_variance
+        self.likelihood = lik.with_noise(res.noise_variance) if regression else lik
+        self.hyper_strategy, self.hyper_trace = res.strategy, res.trace
+        s0, s2v = self.prior_variance, (res.noise_variance if regression else 1.0)
+        self._s2 = s2v
+        if self._Q is not None:
+            self._dq = 1.0 / (1.0 + (s0 / s2v) * e)
+            logdet = float(torch.log1p((s0 / s2v) * e).sum())
+        else:  # B = I + (s0 / s2) W, factorised in place
+            W.mul_(s0 / s2v)
+            W.diagonal().add_(1.0)
+            self._L = cholesky_inplace(W, "function-space system matrix")
+            logdet = 2.0 * float(torch.log(torch.diagonal(self._L)).sum())
         if regression:
-            # Unit-noise factor: Lam = I / s2 is applied after the evidence step.
-            A = torch.eye(C, dtype=torch.float64, device=f.device).expand(N, C, C)
-            rss = float(((y - f) ** 2).sum())
-            log_lik = None
+            fit_term = -0.5 * N * C * math.log(2 * math.pi * s2v) - 0.5 * fit_stat / s2v
         else:
-            A = CategoricalLikelihood().lam_factor(f)
-            rss = None
-            log_lik = float(CategoricalLikelihood().log_likelihood(f, y))
-        self._A = A
-        if self.space == "parameter":
-            G = torch.zeros((P, P), dtype=torch.float64, device=f.device)
-            chunks = lin.jacobian_chunks(X, C)
-            if self.verbose and tqdm is not None:
-                chunks = tqdm(chunks, total=-(-N // lin.chunk_size(C)), leave=False,
-                              desc="LLA: accumulating the GGN")
-            for sl, J in chunks:
-                Phi = torch.einsum("bck,bcp->bkp", A[sl], J.double()).reshape(-1, P)
-                G.addmm_(Phi.T, Phi)
-            eig = torch.linalg.eigvalsh(G)
-            self._G = G
-        else:
-            K = lin.kernel(X, n_outputs=C)
-            W = _sandwich(A, K)
-            eig = torch.linalg.eigvalsh(W)
-            self._W = W
-            self._X = X
-        s0, s2 = _optimise_evidence(
-            eig.cpu().numpy(), theta_sq, P, self.prior_variance,
-            self.noise_variance if regression else None, rss=rss, n_obs=N * C,
-            log_lik=log_lik,
-        )
-        self.prior_variance = float(s0)
-        self.noise_variance = float(s2) if regression else None
-        self.likelihood = GaussianLikelihood(s2) if regression else CategoricalLikelihood()
-        self.log_marginal_likelihood = float(log_marginal_likelihood(
-            s0, s2 if regression else None, eigvals=eig.cpu().numpy(), theta_sq_norm=theta_sq,
-            rss=rss, n_obs=N * C, log_lik=log_lik))
-        noise = s2 if regression else 1.0
-        if self.space == "parameter":
-            H = self._G / noise + torch.eye(P, dtype=torch.float64, device=f.device) / s0
-            self._L = safe_cholesky(H, "posterior precision")
-            del self._G
-        else:
-            B = torch.eye(N * C, dtype=torch.float64, device=f.device) + (s0 / noise) * self._W
-            self._L = safe_cholesky(B, "function-space system matrix")
-            self._A = A / math.sqrt(noise)
-            del self._W
-        self.n_outputs = C
+            fit_term = fit_stat
+        # log Z = log p(y | theta) - |theta|^2 / (2 s0^2) - 1/2 log det(I + s0^2 A^T K A)
+        self.log_evidence = fit_term - 0.5 * theta_sq / s0 - 0.5 * logdet
         return self
 
-    # -------------------------------------------------------------- prediction
-    def predict(self, lin, x, full_cov: bool = False):
-        """Network outputs (B, C) and latent covariance (B, C, C) or (B*C, B*C)."""
-        mean = lin.forward(x).double()
-        B, C = mean.shape
-        if self.space == "parameter":
-            J = lin.jacobian(x).double().reshape(B * C, -1)
-            Z = torch.linalg.solve_triangular(self._L, J.T, upper=False)  # (P, BC)
-            cov = Z.T @ Z
+    def _AtK(self, kXx):
+        """``blockdiag(A)^T k(X, x)`` (unit-noise A = I for regression)."""
+        if self._A is None:
+            return kXx
+        N, C, _ = self._A.shape
+        return torch.einsum("nck,ncm->nkm", self._A, kXx.reshape(N, C, -1)).reshape(N * C, -1)
+
+    def _reduce(self, AtK):
+        """``Z`` with ``Z^T Z = AtK^T B^-1 AtK``."""
+        if self._Q is not None:
+            return (self._Q.T @ AtK) * self._dq.sqrt()[:, None]
+        return torch.linalg.solve_triangular(self._L, AtK, upper=False)
+
+    def _validate(self, data, e, fit_stat):
+        stats = []
+        C = data.n_outputs
+        for x, y in data.validation.batches():
+            g = self.lin.forward(x).double()
+            kxx = self.lin.ntk_diag_blocks(x).double()
+            Z = self._Q.T @ self._AtK(self.lin.kernel(self.X_, x, n_outputs=C))
+            stats.append((g, kxx, Z.reshape(len(Z), len(x), C), y))
+        lik = data.likelihood
+        regression = lik.task == "regression"
+        base_noise = None
+        if regression:
+            base_noise = max(sum(float(((y - g) ** 2).sum()) for g, _, _, y in stats)
+                             / sum(y.numel() for *_, y in stats), 1e-12)
+        base_prior = max(float(self.lin.flat_params().double().pow(2).mean()), 1e-12)
+
+        def score(s0s, s2s):
+            out = np.zeros((len(s0s), len(s2s)))
+            n = 0
+            for g, kxx, Z, y in stats:
+                n += len(g)
+                for i, s0 in enumerate(s0s):
+                    for j, s2 in enumerate(s2s):
+                        s2v = 1.0 if np.isnan(s2) else s2
+                        w = 1.0 / (1.0 + (s0 / s2v) * e)
+                        red = torch.einsum("kbc,k,kbd->bcd", Z, w, Z)
+                        cov = s0 * kxx - (s0 * s0 / s2v) * red
+                        lk = lik if np.isnan(s2) else lik.with_noise(s2)
+                        out[i, j] -= float(lk.log_predictive(g, cov, y).sum())
+            return out / max(n, 1)
+
+        return ValidationGrid().select(self.prior_variance,
+                                       self.noise_variance if regression else None,
+                                       score=score, base_prior=base_prior,
+                                       base_noise=base_noise)
+
+    def predict(self, x):
+        """Latent predictive at a batch ``x``."""
+        g = self.lin.forward(x).double()
+        B, C = g.shape
+        Z = self._reduce(self._AtK(self.lin.kernel(self.X_, x, n_outputs=C)))
+        Zb = Z.reshape(len(Z), B, C)
+        red = torch.einsum("kbc,kbd->bcd", Zb, Zb)
+        s0 = self.prior_variance
+        cov = s0 * self.lin.ntk_diag_blocks(x).double() - (s0 * s0 / self._s2) * red
+        return LatentPredictive(g, 0.5 * (cov + cov.transpose(1, 2)))
+
+    def predict_joint(self, x):
+        """Mean (B, C) and joint latent covariance (B*C, B*C)."""
+        g = self.lin.forward(x).double()
+        C = g.shape[1]
+        Z = self._reduce(self._AtK(self.lin.kernel(self.X_, x, n_outputs=C)))
+        s0 = self.prior_variance
+        cov = s0 * self.lin.kernel(x, n_outputs=C) - (s0 * s0 / self._s2) * (Z.T @ Z)
+        return g, 0.5 * (cov + cov.T)
+
+
+class _LLAMixin:
+    """The exact-LLA part shared by :class:`LLARegressor` and :class:`LLAClassifier`."""
+
+    _lla_constraints = {
+        "space": [StrOptions({"auto", "parameter", "function"})],
+        "subset_of_weights": [StrOptions({"all", "last_layer"})],
+    }
+
+    def _linearize_kwargs(self, module, X, device):
+        if self.subset_of_weights != "last_layer":
+            return {}
+        from ._linearize import last_layer_param_names
+        from ._protocol import to_batch
+
+        example = to_batch(X, slice(0, min(len(X), 8)), next(module.parameters()).dtype, device)
+        return {"param_names": last_layer_param_names(module, example)}
+
+    def _make_posterior(self, data):
+        regression = data.likelihood.task == "regression"
+        noise = self.noise_variance if regression else None
+        space = _choose_space(self.space, data.lin.n_params, data.n_samples * data.n_outputs)
+        if space == "function":
+            post = FunctionSpacePosterior(self.prior_variance, noise)
         else:
-            s0 = self.prior_variance
-            kxx = lin.kernel(x, n_outputs=C)
-            kXx = lin.kernel(self._X, x, n_outputs=C)  # (NC, BC)
-            N = self._X.shape[0]
-            AtK = torch.einsum("nck,ncm->nkm", self._A, kXx.reshape(N, C, -1)).reshape(N * C, -1)
-            Z = torch.linalg.solve_triangular(self._L, AtK, upper=False)
-            cov = s0 * kxx - (s0 * s0) * (Z.T @ Z)
-        cov = 0.5 * (cov + cov.T)
-        if full_cov:
-            return mean, cov
-        idx = torch.arange(B, device=cov.device)
-        blocks = cov.reshape(B, C, B, C)[idx, :, idx, :]
-        return mean, blocks
+            post = GLMPosterior(JacobianFeatures(), self.prior_variance, noise)
+        post.space = space
+        return post
+
+    def _store_fitted(self, posterior):
+        self.space_ = posterior.space
+        self.log_marginal_likelihood_ = posterior.log_evidence
+        super()._store_fitted(posterior)
 
 
-def _sandwich(A, K):
-    """``blockdiag(A)^T K blockdiag(A)`` for per-point factors ``A`` (N, C, C)."""
-    N, C, _ = A.shape
-    K4 = K.reshape(N, C, N, C)
-    left = torch.einsum("nck,ncmd->nkmd", A, K4)
-    out = torch.einsum("nkmd,mdl->nkml", left, A)
-    return out.reshape(N * C, N * C)
+class LLARegressor(_LLAMixin, LaplaceRegressorMixin):
+    """Exact linearized Laplace regression (GGN, float64 dense algebra).
 
+    The reference implementation for small problems (``min(P, N * n_targets)`` up to
+    20,000): every approximate method is tested against it. With
+    ``subset_of_weights="last_layer"`` only the last layer is linearised (the other
+    weights held fixed), which scales to any ``N`` and is a cheap baseline.
 
-_COMMON_DOC = NET_PARAM_DOC + """
+    Parameters
+    ----------
+    net : None, skorch net, FrozenEstimator or torch.nn.Module, default=None
+        The network. ``None`` trains a small tanh MLP (MAP, weight decay) in ``fit``;
+        a fitted skorch net, ``FrozenEstimator(net)`` or an ``nn.Module`` is used as it
+        is and never modified; an unfitted skorch net is trained in ``fit``.
     prior_variance : float or "auto", default="auto"
-        ``s0^2`` of the isotropic Gaussian prior. ``"auto"`` maximises the Laplace log
-        marginal likelihood.
+        ``s0^2`` of the isotropic Gaussian prior on the linearised weights.
+        ``"auto"``: validation NLL when validation data is available, otherwise the
+        Laplace log marginal likelihood (see ``hyper_strategy_``).
+    noise_variance : float or "auto", default="auto"
+        ``s2`` of the Gaussian likelihood, chosen jointly with ``prior_variance``; one
+        variance shared by all targets.
     space : {"auto", "parameter", "function"}, default="auto"
         Where to form the dense posterior: ``P x P`` (parameter) or ``NC x NC``
         (function). ``"auto"`` takes the smaller.
-    device : "auto", "cpu", "cuda" or torch.device, default="auto"
+    subset_of_weights : {"all", "last_layer"}, default="all"
+        Linearise every trainable parameter, or only those of the last layer (the
+        last module with parameters that runs in the forward pass).
+    validation_fraction : float, default=0.1
+        Fraction of the rows held out from training when ``fit`` trains the network
+        (``net=None`` or an unfitted skorch net) and no ``validation_data`` is given;
+        those rows choose the ``"auto"`` hyperparameters.
+    trainable_only : bool, default=True
+        Linearise only parameters with ``requires_grad=True`` (frozen ones are held
+        fixed, as in laplace-torch); ``False`` linearises every parameter.
+    device : str or torch.device, default="auto"
+        ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or a torch device.
     batch_size : int, default=256
-        Points per batch at prediction time.
+        Rows per batch when streaming data through the network.
     random_state : int, RandomState instance or None, default=None
-        Seeds training of a default / unfitted net (and ``mc`` sampling).
-    verbose : int, default=0
-        ``>= 1`` shows a progress bar while the parameter-space GGN is accumulated.
-"""
-
-
-class LLARegressor(LaplaceRegressorMixin):
-    __doc__ = (
-        """Exact linearized Laplace regression (GGN, float64 dense algebra).
-
-    The reference implementation for small problems (``min(P, N*n_targets)`` up to
-    20,000): every approximate method is tested against it.
-
-    Parameters
-    ----------""" + _COMMON_DOC + """    noise_variance : float or "auto", default="auto"
-        ``s2`` of the Gaussian likelihood. ``"auto"`` maximises the same closed-form
-        marginal likelihood jointly with ``prior_variance`` (starting from the mean
-        squared training residual); a single variance is shared by all targets.
+        Seeds the training of a default or unfitted net and the hold-out split.
+    verbose : int or bool, default=0
+        ``>= 1`` shows progress bars on long passes.
 
     Attributes
     ----------
-    prior_variance_, noise_variance_ : float
-        Values in use.
-    log_marginal_likelihood_ : float
+    prior_variance_ : float
+        Prior variance in use.
+    noise_variance_ : float
+        Noise variance in use.
+    hyper_strategy_ : str
+        How ``"auto"`` values were chosen (``"evidence"``, ``"validation"`` or
+        ``"fixed"``).
+    hyper_trace_ : dict
+        Candidates tried and their scores.
+    log_marginal_likelihood_ : float or None
+        Laplace evidence at the chosen hyperparameters (when computed).
     space_ : str
+        The space actually used.
     net_ : object
         The pretrained or trained network.
-    posterior_ : LLAPosterior
+    linearized_net_ : LinearizedNet
+        The frozen functional view of the network.
+    jacobian_backend_ : str
+        ``"structured"`` or ``"functorch"``.
+    likelihood_ : Gaussian
+        The fitted likelihood.
+    posterior_ : Posterior
+        The fitted posterior.
+    n_outputs_ : int
+        Number of network outputs.
     n_features_in_ : int
+        Number of input features.
+    feature_names_in_ : ndarray of shape (n_features_in_,)
+        Feature names, when ``X`` has string column names.
+
+    See Also
+    --------
+    ELLARegressor : Nystrom-accelerated LLA for large problems.
 
     Examples
     --------
     >>> import numpy as np
     >>> from sklearn_lla import LLARegressor
     >>> rng = np.random.RandomState(0)
-    >>> X = rng.uniform(-2, 2, (60, 1)); y = np.sin(2 * X[:, 0]) + 0.1 * rng.randn(60)
+    >>> X = rng.uniform(-2, 2, (60, 1))
+    >>> y = np.sin(2 * X[:, 0]) + 0.1 * rng.randn(60)
     >>> reg = LLARegressor(random_state=0).fit(X, y)
     >>> mean, std = reg.predict(X[:3], return_std=True)
     >>> mean.shape, std.shape
     ((3,), (3,))
     """
-    )
+
+    _parameter_constraints = {**REGRESSOR_CONSTRAINTS, **_LLAMixin._lla_constraints}
 
     def __init__(self, net=None, *, prior_variance="auto", noise_variance="auto", space="auto",
+                 subset_of_weights="all", validation_fraction=0.1, trainable_only=True,
                  device="auto", batch_size=256, random_state=None, verbose=0):
         self.net = net
         self.prior_variance = prior_variance
         self.noise_variance = noise_variance
         self.space = space
+        self.subset_of_weights = subset_of_weights
+        self.validation_fraction = validation_fraction
+        self.trainable_only = trainable_only
         self.device = device
         self.batch_size = batch_size
         self.random_state = random_state
         self.verbose = verbose
 
-    def _fit_posterior(self, data):
-        post = LLAPosterior(self.prior_variance, self.noise_variance, self.space, self.verbose)
-        post.fit(data.lin, data.X, data.y, data.n_outputs)
-        self.log_marginal_likelihood_ = post.log_marginal_likelihood
-        self.space_ = post.space
-        return post
 
+class LLAClassifier(_LLAMixin, LaplaceClassifierMixin):
+    """Exact linearized Laplace classification (GGN, float64 dense algebra).
 
-class LLAClassifier(LaplaceClassifierMixin):
-    __doc__ = (
-        """Exact linearized Laplace classification (GGN, float64 dense algebra).
+    Works for C-logit nets (categorical likelihood) and one-logit binary nets
+    (Bernoulli likelihood, e.g. skorch's ``NeuralNetBinaryClassifier``).
 
     Parameters
-    ----------""" + _COMMON_DOC + """    link_approx : {"probit", "mc", "bridge"}, default="probit"
+    ----------
+    net : None, skorch net, FrozenEstimator or torch.nn.Module, default=None
+        The network. ``None`` trains a small tanh MLP (MAP, weight decay) in ``fit``;
+        a fitted skorch net, ``FrozenEstimator(net)`` or an ``nn.Module`` is used as it
+        is and never modified; an unfitted skorch net is trained in ``fit``.
+    prior_variance : float or "auto", default="auto"
+        ``s0^2`` of the isotropic Gaussian prior. ``"auto"``: validation NLL when
+        validation data is available, otherwise the Laplace log marginal likelihood.
+    space : {"auto", "parameter", "function"}, default="auto"
+        Where to form the dense posterior (``"auto"`` takes the smaller).
+    subset_of_weights : {"all", "last_layer"}, default="all"
+        Linearise every trainable parameter, or only the last layer's.
+    link_approx : {"probit", "mc", "bridge"}, default="probit"
         Approximation of ``E softmax(f)`` under the Gaussian latent.
     n_samples_predict : int, default=512
-        Samples for ``link_approx="mc"``.
+        Samples per point for ``link_approx="mc"``.
+    classes : array-like or None, default=None
+        The label of each network output, in output order (for a one-logit net:
+        ``[negative, positive]``). ``None``: a pretrained skorch classifier's
+        ``classes_``, else the output indices ``0..C-1``; a net trained in ``fit``
+        uses the sorted labels of ``y``.
+    validation_fraction : float, default=0.1
+        Fraction of the rows held out from training when ``fit`` trains the network
+        and no ``validation_data`` is given; those rows choose ``"auto"`` values.
+    trainable_only : bool, default=True
+        Linearise only parameters with ``requires_grad=True``.
+    device : str or torch.device, default="auto"
+        ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or a torch device.
+    batch_size : int, default=256
+        Rows per batch when streaming data through the network.
+    random_state : int, RandomState instance or None, default=None
+        Seeds training of a default or unfitted net, the hold-out and ``mc`` draws.
+    verbose : int or bool, default=0
+        ``>= 1`` shows progress bars on long passes.
 
     Attributes
     ----------
     classes_ : ndarray
+        Class labels, in the order of ``predict_proba``'s columns.
     prior_variance_ : float
-    log_marginal_likelihood_ : float
+        Prior variance in use.
+    hyper_strategy_ : str
+        How ``"auto"`` values were chosen.
+    hyper_trace_ : dict
+        Candidates tried and their scores.
+    log_marginal_likelihood_ : float or None
+        Laplace evidence at the chosen prior variance (when computed).
     space_ : str
+        The space actually used.
     net_ : object
-    posterior_ : LLAPosterior
+        The pretrained or trained network.
+    linearized_net_ : LinearizedNet
+        The frozen functional view of the network.
+    jacobian_backend_ : str
+        ``"structured"`` or ``"functorch"``.
+    likelihood_ : Categorical or Bernoulli
+        The likelihood.
+    posterior_ : Posterior
+        The fitted posterior.
+    n_outputs_ : int
+        Number of network outputs (1 for a one-logit binary net).
     n_features_in_ : int
-    """
-    )
+        Number of input features.
+    feature_names_in_ : ndarray of shape (n_features_in_,)
+        Feature names, when ``X`` has string column names.
 
-    def __init__(self, net=None, *, prior_variance="auto", space="auto", link_approx="probit",
-                 n_samples_predict=512, device="auto", batch_size=256, random_state=None,
-                 verbose=0):
+    See Also
+    --------
+    ELLAClassifier : Nystrom-accelerated LLA for large problems.
+
+    Examples
+    --------
+    >>> from sklearn.datasets import make_blobs
+    >>> from sklearn_lla import LLAClassifier
+    >>> X, y = make_blobs(n_samples=90, centers=3, random_state=0)
+    >>> clf = LLAClassifier(random_state=0).fit(X, y)
+    >>> clf.predict_proba(X[:2]).shape
+    (2, 3)
+    """
+
+    _parameter_constraints = {**CLASSIFIER_CONSTRAINTS, **_LLAMixin._lla_constraints}
+
+    def __init__(self, net=None, *, prior_variance="auto", space="auto",
+                 subset_of_weights="all", link_approx="probit", n_samples_predict=512,
+                 classes=None, validation_fraction=0.1, trainable_only=True, device="auto",
+                 batch_size=256, random_state=None, verbose=0):
         self.net = net
         self.prior_variance = prior_variance
         self.space = space
+        self.subset_of_weights = subset_of_weights
         self.link_approx = link_approx
         self.n_samples_predict = n_samples_predict
+        self.classes = classes
+        self.validation_fraction = validation_fraction
+        self.trainable_only = trainable_only
         self.device = device
         self.batch_size = batch_size
         self.random_state = random_state
         self.verbose = verbose
-
-    def _fit_posterior(self, data):
-        post = LLAPosterior(self.prior_variance, None, self.space, self.verbose)
-        post.fit(data.lin, data.X, data.y, data.n_outputs)
-        self.log_marginal_likelihood_ = post.log_marginal_likelihood
-        self.space_ = post.space
-        return post

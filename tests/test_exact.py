@@ -13,7 +13,14 @@ import torch
 from torch import nn
 
 from sklearn_lla import LLAClassifier, LLARegressor
-from sklearn_lla.exact import log_marginal_likelihood
+from sklearn_lla._hyper import glm_log_evidence
+
+
+def log_marginal_likelihood(s0, s2, *, eigvals, theta_sq_norm, rss=None, n_obs=0, log_lik=None):
+    """The closed-form evidence in the old keyword form (regression: rss, else log_lik)."""
+    fit = rss if s2 is not None else log_lik
+    return glm_log_evidence(s0, s2, eigvals=eigvals, theta_sq_norm=theta_sq_norm,
+                            data_fit=fit, n_obs=n_obs)
 
 S0, S2 = 0.3, 0.02  # fixed hyperparameters for the comparisons
 S0_CLF = 2.0
@@ -36,9 +43,8 @@ def _queries(data):
 
 def _latent(est, X):
     """Package predictive latent (mean (B, C), cov (B, C, C)) as numpy arrays."""
-    lin = est.linearized_net_
-    mean, cov = est.posterior_.predict(lin, torch.as_tensor(np.asarray(X, dtype=np.float64)))
-    return mean.double().numpy(), cov.double().numpy()
+    lp = est.posterior_.predict(torch.as_tensor(np.asarray(X, dtype=np.float64)))
+    return lp.mean.double().numpy(), lp.cov.double().numpy()
 
 
 def _assert_cov_close(got, want, rtol=RTOL):

@@ -12,12 +12,26 @@ import torch
 
 from sklearn_lla._likelihoods import (
     LINK_APPROXIMATIONS,
-    CategoricalLikelihood,
-    GaussianLikelihood,
-    predictive_proba,
+    Bernoulli,
+    Categorical,
+    Gaussian,
+    point_normals,
+    row_keys,
 )
 
 DT = torch.float64
+
+
+def predictive_proba(mean, cov, link="probit", n_samples=512, generator=None):
+    return Categorical(mean.shape[-1], link, n_samples).predict(mean, cov, generator=generator)
+
+
+def CategoricalLikelihood(C=4):
+    return Categorical(C)
+
+
+def GaussianLikelihood(s2, C=1):
+    return Gaussian(s2, C)
 
 
 def _logits(B=7, C=4, scale=3.0, seed=0):
@@ -35,7 +49,7 @@ def _covs(B=7, C=4, scale=1.0, seed=1):
 def test_categorical_lam_factor(C):
     f = _logits(B=9, C=C)
     f[0] = torch.tensor([40.0] + [-40.0] * (C - 1), dtype=DT)  # saturated softmax
-    lik = CategoricalLikelihood()
+    lik = CategoricalLikelihood(C)
     A = lik.lam_factor(f)
     assert A.shape == (9, C, C)
     p = torch.softmax(f, -1)
@@ -51,7 +65,7 @@ def test_categorical_lam_factor(C):
 
 def test_gaussian_lam_factor():
     s2 = 0.37
-    lik = GaussianLikelihood(s2)
+    lik = GaussianLikelihood(s2, 3)
     f = _logits(B=5, C=3)
     A = lik.lam_factor(f)
     assert A.shape == (5, 3, 3)
@@ -60,7 +74,9 @@ def test_gaussian_lam_factor():
     torch.testing.assert_close(lik.lam(f), torch.eye(3, dtype=DT).expand(5, 3, 3) / s2,
                                rtol=1e-15, atol=0)
     v = torch.rand(5, 3, dtype=DT)
-    torch.testing.assert_close(lik.predictive_variance(v), v + s2, rtol=0, atol=0)
+    m, var = lik.predict(f, torch.diag_embed(v))
+    torch.testing.assert_close(var, v + s2, rtol=0, atol=0)
+    assert m is f
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
@@ -75,19 +91,19 @@ def test_gaussian_log_likelihood_vs_scipy(C):
     f = rng.randn(11, C)
     y = f + 0.3 * rng.randn(11, C)
     s2 = 0.09
-    got = GaussianLikelihood(s2).log_likelihood(torch.as_tensor(f), torch.as_tensor(y))
-    want = scipy.stats.norm(loc=f, scale=math.sqrt(s2)).logpdf(y).sum()
-    np.testing.assert_allclose(float(got), want, rtol=1e-13)
+    got = GaussianLikelihood(s2, C).log_prob(torch.as_tensor(f), torch.as_tensor(y))
+    want = scipy.stats.norm(loc=f, scale=math.sqrt(s2)).logpdf(y).sum(1)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-13)
 
 
 def test_categorical_log_likelihood_vs_scipy():
     f = _logits(B=13, C=4).numpy()
     f[0] = [60.0, -60.0, 0.0, 1.0]  # large logits: must stay finite (log-sum-exp)
     y = np.array([0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 1])
-    got = CategoricalLikelihood().log_likelihood(torch.as_tensor(f), torch.as_tensor(y))
-    want = (f - scipy.special.logsumexp(f, axis=1, keepdims=True))[np.arange(13), y].sum()
-    assert np.isfinite(float(got))
-    np.testing.assert_allclose(float(got), want, rtol=1e-13)
+    got = CategoricalLikelihood().log_prob(torch.as_tensor(f), torch.as_tensor(y))
+    want = (f - scipy.special.logsumexp(f, axis=1, keepdims=True))[np.arange(13), y]
+    assert torch.isfinite(got).all()
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-13)
 
 
 def test_probit_formula():
@@ -189,3 +205,132 @@ def test_mc_singular_covariance():
 def test_unknown_link():
     with pytest.raises(ValueError, match="link_approx"):
         predictive_proba(_logits(), _covs(), "laplace")
+    with pytest.raises(ValueError, match="link_approx"):
+        Bernoulli("laplace")
+
+
+# ---------------------------------------------------------------------------------
+# Gaussian: predictive and expected log likelihood against scipy
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("C", [1, 3])
+def test_gaussian_log_predictive_and_expectation(C):
+    rng = np.random.RandomState(3)
+    m, y = rng.randn(6, C), rng.randn(6, C)
+    cov = _covs(6, C, seed=4) if C > 1 else torch.rand(6, 1, 1, dtype=DT)
+    s2 = 0.2
+    lik = Gaussian(s2, C)
+    got = lik.log_predictive(torch.as_tensor(m), cov, torch.as_tensor(y))
+    want = [scipy.stats.multivariate_normal(m[i], cov[i].numpy() + s2 * np.eye(C)).logpdf(y[i])
+            for i in range(6)]
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12)
+    # E_{N(m, S)} log N(y | f, s2) = log N(y | m, s2) - tr(S) / (2 s2)
+    ell = lik.expected_log_prob(torch.as_tensor(m), cov, torch.as_tensor(y))
+    want = scipy.stats.norm(m, math.sqrt(s2)).logpdf(y).sum(1) - np.einsum(
+        "bcc->b", cov.numpy()) / (2 * s2)
+    np.testing.assert_allclose(ell.numpy(), want, rtol=1e-12)
+    assert lik.with_noise(0.5).noise_variance == 0.5 and lik.with_noise(0.5).n_outputs == C
+
+
+# ---------------------------------------------------------------------------------
+# Bernoulli (one-logit binary nets): every link, against references
+# ---------------------------------------------------------------------------------
+
+
+def _binary_case(seed=0, B=200):
+    rng = np.random.RandomState(seed)
+    m = torch.as_tensor(3 * rng.randn(B, 1))
+    v = torch.as_tensor(rng.uniform(0.01, 4.0, (B, 1, 1)))
+    return m, v
+
+
+def test_bernoulli_probit_and_mc():
+    m, v = _binary_case()
+    p = Bernoulli("probit").predict(m, v)
+    want = scipy.special.expit(m[:, 0].numpy() / np.sqrt(1 + math.pi / 8 * v[:, 0, 0].numpy()))
+    np.testing.assert_allclose(p[:, 1].numpy(), want, rtol=1e-13)
+    np.testing.assert_allclose(p.sum(1).numpy(), 1.0, rtol=1e-14)
+    # MC against Gauss-Hermite quadrature of E sigmoid(z) (4 s.e. with 20000 samples)
+    pm = Bernoulli("mc", 20000).predict(m, v, generator=torch.Generator().manual_seed(0))
+    x, w = np.polynomial.hermite_e.hermegauss(60)
+    ref = (scipy.special.expit(m.numpy() + np.sqrt(v[:, :, 0].numpy()) * x) * w).sum(1) / w.sum()
+    np.testing.assert_allclose(pm[:, 1].numpy(), ref, atol=4 * 0.5 / math.sqrt(20000))
+
+
+@pytest.mark.parametrize("link", LINK_APPROXIMATIONS)
+def test_bernoulli_links_keep_the_map_decision(link):
+    # the bug this guards against: bridge on a [0, z] two-logit encoding predicted
+    # one class for every input; every link must keep sign(z) as the decision here
+    m, v = _binary_case(1)
+    p = Bernoulli(link, 2000).predict(m, v, generator=torch.Generator().manual_seed(0))
+    assert p.shape == (len(m), 2)
+    strong = m[:, 0].abs() > 1.0
+    np.testing.assert_array_equal((p[strong, 1] > 0.5).numpy(), (m[strong, 0] > 0).numpy())
+
+
+def test_bernoulli_matches_two_logit_categorical():
+    # a one-logit net z is the two-logit net [0, z]: probit and MC agree exactly
+    m, v = _binary_case(2, B=50)
+    mean2 = torch.cat([torch.zeros_like(m), m], 1)
+    cov2 = torch.zeros(50, 2, 2, dtype=DT)
+    cov2[:, 1, 1] = v[:, 0, 0]
+    np.testing.assert_allclose(Bernoulli("probit").predict(m, v).numpy(),
+                               Categorical(2, "probit").predict(mean2, cov2).numpy(), rtol=1e-13)
+    eps = torch.randn(300, 50, 1, dtype=DT, generator=torch.Generator().manual_seed(1))
+    eps2 = torch.cat([torch.zeros_like(eps), eps], -1)
+    np.testing.assert_allclose(Bernoulli("mc", 300).predict(m, v, eps=eps).numpy(),
+                               Categorical(2, "mc", 300).predict(mean2, cov2, eps=eps2).numpy(),
+                               rtol=1e-12)
+    # curvature and log likelihood agree too
+    y = torch.as_tensor(np.random.RandomState(0).randint(0, 2, 50))
+    np.testing.assert_allclose(Bernoulli().lam(m)[:, 0, 0].numpy(),
+                               Categorical(2).lam(mean2)[:, 1, 1].numpy(), rtol=1e-12)
+    np.testing.assert_allclose(Bernoulli().log_prob(m, y).numpy(),
+                               Categorical(2).log_prob(mean2, y).numpy(), rtol=1e-12)
+
+
+def test_bernoulli_expected_log_prob_quadrature():
+    m, v = _binary_case(3, B=20)
+    y = torch.as_tensor(np.random.RandomState(0).randint(0, 2, 20))
+    got = Bernoulli().expected_log_prob(m, v, y)
+    rng = np.random.RandomState(0)
+    z = m.numpy() + np.sqrt(v[:, :, 0].numpy()) * rng.randn(20, 200000)
+    sign = 2 * y.numpy()[:, None] - 1
+    ref = -np.logaddexp(0, -sign * z).mean(1)
+    np.testing.assert_allclose(got.numpy(), ref, atol=0.01)
+
+
+def test_categorical_expected_log_prob_mc():
+    mean, cov = _logits(B=5, C=3, scale=1.0), _covs(B=5, C=3, scale=0.5)
+    y = torch.tensor([0, 1, 2, 0, 1])
+    got = Categorical(3, n_samples=20000).expected_log_prob(
+        mean, cov, y, generator=torch.Generator().manual_seed(0))
+    rng = np.random.RandomState(1)
+    ref = [scipy.special.log_softmax(rng.multivariate_normal(mean[i].numpy(), cov[i].numpy(),
+                                                             200000), axis=1)[:, y[i]].mean()
+           for i in range(5)]
+    np.testing.assert_allclose(got.numpy(), ref, atol=0.02)
+
+
+# ---------------------------------------------------------------------------------
+# Per-point MC draws: independent of the batch they come in
+# ---------------------------------------------------------------------------------
+
+
+def test_point_normals_depend_only_on_the_point():
+    rng = np.random.RandomState(0)
+    X = rng.randn(40, 5)
+    keys = row_keys(X, seed=11)
+    eps = point_normals(keys, 64, 3)
+    assert eps.shape == (64, 40, 3) and eps.dtype == DT
+    sub = point_normals(row_keys(X[[7, 3, 30]], seed=11), 64, 3)
+    torch.testing.assert_close(sub, eps[:, [7, 3, 30]], rtol=0, atol=0)
+    # float32 and float64 copies of the same values hash alike; another seed differs
+    np.testing.assert_array_equal(row_keys(X.astype(np.float32).astype(np.float64), 11),
+                                  row_keys(X.astype(np.float32), 11))
+    assert not np.array_equal(row_keys(X, 12), keys)
+    # standard normal: moments and a KS test over many draws
+    big = point_normals(row_keys(rng.randn(500, 2), 0), 200, 2).numpy().ravel()
+    assert abs(big.mean()) < 0.01 and abs(big.std() - 1) < 0.01
+    assert scipy.stats.kstest(big, "norm").pvalue > 1e-3

@@ -7,9 +7,13 @@ import numpy as np
 import pytest
 from scipy import integrate, stats
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
-from sklearn.metrics import brier_score_loss, log_loss
+from sklearn.linear_model import BayesianRidge, LinearRegression
+from sklearn.metrics import brier_score_loss, log_loss, make_scorer
 from sklearn.metrics import get_scorer as sk_get_scorer
 from sklearn.model_selection import GridSearchCV, cross_validate
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
+from sklearn.svm import SVC
 
 from sklearn_lla import metrics
 from sklearn_lla.metrics import (
@@ -447,13 +451,66 @@ def test_classification_scorers_sign_and_labels():
     )
 
 
+class TemperedFrequencyClassifier(FrequencyClassifier):
+    """Training class frequencies sharpened (temperature < 1) or flattened (> 1)."""
+
+    def __init__(self, temperature=1.0):
+        self.temperature = temperature
+
+    def predict_proba(self, X):
+        p = self.prior_ ** (1.0 / self.temperature)
+        return np.tile(p / p.sum(), (len(X), 1))
+
+
+REGRESSION_SCORERS = ("neg_cqm", "neg_nll", "neg_crps")
+CLASSIFICATION_SCORERS = ("neg_ece", "neg_brier", "neg_log_loss")
+
+
 def test_std_scorer_requires_tuple():
     class NoStd:
         def predict(self, X, return_std=False):
             return np.zeros(len(X))
 
-    with pytest.raises(ValueError, match="return_std=True"):
+    with pytest.raises(ValueError, match=r"'neg_nll' needs .*NoStd\.predict.*returned ndarray"):
         neg_nll_scorer(NoStd(), np.zeros((2, 1)), np.zeros(2))
+
+
+@pytest.mark.parametrize("name", REGRESSION_SCORERS)
+def test_regression_scorers_clear_errors(name):
+    scorer = getattr(metrics, f"{name}_scorer")
+    X, y = _reg_data()
+    # predict without return_std: a TypeError naming the scorer and the estimator
+    reg = LinearRegression().fit(X, y)
+    with pytest.raises(TypeError, match=rf"'{name}' needs .*return_std=True.*LinearRegression"):
+        scorer(reg, X, y)
+    # no predict at all
+    with pytest.raises(AttributeError, match=rf"'{name}' needs .*object has no predict"):
+        scorer(object(), X, y)
+    # the same error surfaces through cross_validate(error_score="raise")
+    with pytest.raises(TypeError, match="does not accept return_std"):
+        cross_validate(LinearRegression(), X, y, cv=2, scoring=scorer, error_score="raise")
+
+
+@pytest.mark.parametrize("name", CLASSIFICATION_SCORERS)
+def test_classification_scorers_clear_errors(name):
+    scorer = getattr(metrics, f"{name}_scorer")
+    X, y = _clf_data()
+    # SVC(probability=False) hides predict_proba (available_if)
+    svc = SVC().fit(X, y)
+    with pytest.raises(AttributeError, match=rf"'{name}' needs .*predict_proba.*SVC has no"):
+        scorer(svc, X, y)
+    with pytest.raises(AttributeError, match="MeanStdRegressor has no predict_proba"):
+        scorer(MeanStdRegressor().fit(X, np.zeros(len(X))), X, y)
+
+
+def test_std_scorers_accept_pipelines_and_sklearn_regressors():
+    # Pipeline.predict(X, **params) forwards return_std to its last step
+    X, y = _reg_data(n=120)
+    y = X @ np.array([1.0, -2.0]) + 0.3 * y
+    for est in (BayesianRidge(), make_pipeline(StandardScaler(), BayesianRidge())):
+        est.fit(X, y)
+        mean, std = est.predict(X, return_std=True)
+        assert neg_nll_scorer(est, X, y) == pytest.approx(-gaussian_nll(y, mean, std))
 
 
 def test_scorers_in_cross_validate_regression():
@@ -478,6 +535,67 @@ def test_scorers_in_grid_search():
             MeanStdRegressor(), {"std_scale": [0.1, 1.0, 10.0]}, scoring=scorer, cv=3
         ).fit(X, y)
         assert gs.best_params_ == {"std_scale": 1.0}, repr(scorer)
+
+
+@pytest.mark.parametrize("name", REGRESSION_SCORERS)
+def test_regression_scorer_by_name_in_grid_search(name):
+    X, y = _reg_data(n=300)
+    for scoring in (getattr(metrics, f"{name}_scorer"), get_scorer(name)):
+        gs = GridSearchCV(
+            MeanStdRegressor(), {"std_scale": [0.1, 1.0, 10.0]}, scoring=scoring, cv=3
+        ).fit(X, y)
+        assert gs.best_params_ == {"std_scale": 1.0}
+        assert gs.best_score_ <= 0 and gs.score(X, y) <= 0
+
+
+@pytest.mark.parametrize("name", CLASSIFICATION_SCORERS)
+def test_classification_scorer_by_name_in_grid_search(name):
+    # Stratified 3-fold CV of 12/9/9 labels: every training prior equals its test
+    # fold's class frequencies, so temperature 1 is best for all three scores.
+    X, y = _clf_data()
+    for scoring in (getattr(metrics, f"{name}_scorer"), get_scorer(f"{name}_scorer")):
+        gs = GridSearchCV(
+            TemperedFrequencyClassifier(), {"temperature": [0.3, 1.0, 3.0]},
+            scoring=scoring, cv=3,
+        ).fit(X, y)
+        assert gs.best_params_ == {"temperature": 1.0}
+        assert np.all(np.isfinite(gs.cv_results_["mean_test_score"]))
+
+
+def test_scorer_dicts_with_refit():
+    X, y = _reg_data(n=300)
+    scoring = {name: get_scorer(name) for name in REGRESSION_SCORERS}
+    gs = GridSearchCV(
+        MeanStdRegressor(), {"std_scale": [0.1, 1.0, 10.0]}, scoring=scoring,
+        refit="neg_nll", cv=3,
+    ).fit(X, y)
+    assert gs.best_params_ == {"std_scale": 1.0}
+    for name in REGRESSION_SCORERS:
+        assert np.all(gs.cv_results_[f"mean_test_{name}"] <= 0)
+
+    X, y = _clf_data()
+    scoring = {name: getattr(metrics, f"{name}_scorer") for name in CLASSIFICATION_SCORERS}
+    gs = GridSearchCV(
+        TemperedFrequencyClassifier(), {"temperature": [0.3, 1.0, 3.0]}, scoring=scoring,
+        refit="neg_brier", cv=3,
+    ).fit(X, y)
+    assert gs.best_params_ == {"temperature": 1.0}
+
+
+@pytest.mark.parametrize("labels", [[0, 1], ["ham", "spam"]])
+def test_ece_binary_1d_through_make_scorer(labels):
+    # make_scorer(response_method="predict_proba") hands binary metrics the
+    # positive-class column, shape (n,); the ECE must take it and agree with ours.
+    rng = np.random.default_rng(0)
+    y = np.asarray(labels)[(rng.uniform(size=40) < 0.3).astype(int)]
+    X = rng.normal(size=(40, 2))
+    est = TemperedFrequencyClassifier(temperature=2.0).fit(X, y)
+    ece_1d = make_scorer(
+        expected_calibration_error, response_method="predict_proba", greater_is_better=False
+    )
+    assert ece_1d(est, X, y) == pytest.approx(neg_ece_scorer(est, X, y))
+    res = cross_validate(est, X, y, cv=2, scoring={"sk": ece_1d, "ours": neg_ece_scorer})
+    np.testing.assert_allclose(res["test_sk"], res["test_ours"])
 
 
 def test_scorers_in_cross_validate_classification():
@@ -548,3 +666,5 @@ def test_get_scorer():
 def test_all_exports_exist():
     for name in metrics.__all__:
         assert hasattr(metrics, name), name
+    for name in REGRESSION_SCORERS + CLASSIFICATION_SCORERS:
+        assert f"{name}_scorer" in metrics.__all__

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import skorch
 import torch
+from conftest import SingleLogitMLP, SoftmaxMLP, make_skorch_classifier, make_skorch_regressor
 from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 from sklearn.frozen import FrozenEstimator
 from sklearn.model_selection import GridSearchCV
 from torch import nn
 
-from conftest import SingleLogitMLP, SoftmaxMLP, make_skorch_classifier, make_skorch_regressor
 from sklearn_lla import LLAClassifier, LLARegressor
 from sklearn_lla.nets import MLP
 
@@ -155,7 +155,7 @@ def test_pretrained_classifier_never_modified(kind, clf_data, clf_net, module_gu
     est.predict(clf_data.X_test)
     est.predict_log_proba(clf_data.X_test)
     module_guard.check(module, snap)
-    lin_mean, _ = est.posterior_.predict(est.linearized_net_, torch.as_tensor(clf_data.X_test))
+    lin_mean = est.posterior_.predict(torch.as_tensor(clf_data.X_test)).mean
     np.testing.assert_array_equal(lin_mean.numpy(), _module_output(module, clf_data.X_test))
     np.testing.assert_allclose(proba.sum(1), 1.0, rtol=1e-12)
 
@@ -202,7 +202,7 @@ def test_skorch_nllloss_softmax_classifier(clf_data):
         net.fit(clf_data.X, clf_data.y)
     est = LLAClassifier(net, prior_variance=1e-8, device="cpu").fit(clf_data.X, clf_data.y)
     # the latent g is the log of the module's probabilities (logits up to a constant)
-    g, _ = est.posterior_.predict(est.linearized_net_, torch.as_tensor(clf_data.X_test))
+    g = est.posterior_.predict(torch.as_tensor(clf_data.X_test)).mean
     p_net = net.predict_proba(clf_data.X_test)
     np.testing.assert_allclose(g.numpy(), np.log(p_net), rtol=1e-12, atol=1e-12)
     # a vanishing prior variance leaves the MAP probabilities (S ~ 1e-8 * NTK)
@@ -221,7 +221,8 @@ def test_skorch_binary_classifier(clf_data):
         net.fit(X, y.astype(np.float64))
     est = LLAClassifier(net, prior_variance=1e-8, device="cpu").fit(X, y)
     np.testing.assert_array_equal(est.classes_, [0, 1])
-    assert est.n_outputs_ == 2
+    assert est.n_outputs_ == 1  # one logit: the Bernoulli likelihood
+    assert type(est.likelihood_).__name__ == "Bernoulli"
     Xq = clf_data.X_test[clf_data.y_test < 2]
     proba = est.predict_proba(Xq)
     assert proba.shape == (len(Xq), 2)
@@ -230,6 +231,14 @@ def test_skorch_binary_classifier(clf_data):
     wide = LLAClassifier(net, prior_variance=10.0, device="cpu").fit(X, y).predict_proba(Xq)
     np.testing.assert_allclose(wide.sum(1), 1.0, rtol=1e-12)
     assert np.all(np.abs(wide[:, 1] - 0.5) <= np.abs(proba[:, 1] - 0.5) + 1e-12)
+    # every link keeps the net's decisions (bridge used to predict one class only)
+    yq = clf_data.y_test[clf_data.y_test < 2]
+    acc_net = np.mean(net.predict(Xq) == yq)
+    for link in ("probit", "mc", "bridge"):
+        for s0 in (1e-3, 1.0):
+            e = LLAClassifier(net, prior_variance=s0, link_approx=link, n_samples_predict=256,
+                              device="cpu", random_state=0).fit(X, y)
+            assert np.mean(e.predict(Xq) == yq) >= acc_net - 0.05, (link, s0)
 
 
 # ---------------------------------------------------------------------------------
@@ -382,10 +391,13 @@ def test_output_size_mismatch_regression(reg_data, reg_net, reg2_data, reg2_net)
 
 
 def test_output_size_mismatch_classification(clf_data, clf_net):
-    # 3 logits, 2 classes: a plain module (no known classes)
+    # a plain module's classes are its output indices: a subset of them is fine, a
+    # label outside 0..C-1 is a clear error
     mask = clf_data.y < 2
-    with pytest.raises(ValueError, match="logit|class"):
-        LLAClassifier(clf_net.module_, device="cpu").fit(clf_data.X[mask], clf_data.y[mask])
+    est = LLAClassifier(clf_net.module_, device="cpu").fit(clf_data.X[mask], clf_data.y[mask])
+    np.testing.assert_array_equal(est.classes_, [0, 1, 2])
+    with pytest.raises(ValueError, match="not the network's classes"):
+        LLAClassifier(clf_net.module_, device="cpu").fit(clf_data.X, clf_data.y + 1)
     # 3 logits, 4 classes with a pretrained skorch net
     y4 = clf_data.y.copy()
     y4[:5] = 3
@@ -412,14 +424,24 @@ def test_labels_unknown_to_pretrained_skorch_classifier(clf_data, clf_net):
         LLAClassifier(clf_net, device="cpu").fit(clf_data.X, y)
 
 
-def test_string_labels_with_plain_module(clf_data, clf_net):
-    # a plain module knows no labels: any label type maps to logits in sorted order
-    names = np.array(["a", "b", "c"])[clf_data.y]
-    est = LLAClassifier(clf_net.module_, prior_variance=1e-8, device="cpu")
+@pytest.mark.parametrize("kind", ["module", "skorch"])
+def test_labels_that_are_not_the_nets_classes(kind, clf_data, clf_net):
+    # the breast-cancer report: a net trained on 0/1/2, fitted with label names. Sorted
+    # position would silently map "c" < "a" orders wrongly; it is a clear error, and
+    # classes=[...] (the label of each output, in output order) maps them explicitly
+    net = clf_net.module_ if kind == "module" else clf_net
+    order = np.array(["c", "a", "b"])  # output 0 is "c": not sorted
+    names = order[clf_data.y]
+    with pytest.raises(ValueError, match="classes="):
+        LLAClassifier(net, device="cpu").fit(clf_data.X, names)
+    est = LLAClassifier(net, classes=order, prior_variance=1e-8, device="cpu")
     est.fit(clf_data.X, names)
-    np.testing.assert_array_equal(est.classes_, ["a", "b", "c"])
-    want = np.array(["a", "b", "c"])[clf_net.predict(clf_data.X_test)]
+    np.testing.assert_array_equal(est.classes_, order)
+    want = order[clf_net.predict(clf_data.X_test)]
     np.testing.assert_array_equal(est.predict(clf_data.X_test), want)
+    assert np.mean(est.predict(clf_data.X_test) == order[clf_data.y_test]) > 0.8
+    with pytest.raises(ValueError, match="distinct labels"):
+        LLAClassifier(net, classes=["a", "b"], device="cpu").fit(clf_data.X, names)
 
 
 @pytest.mark.parametrize("value", [0.0, -1.0, np.nan, np.inf])

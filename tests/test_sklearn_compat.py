@@ -1,124 +1,20 @@
-"""scikit-learn compatibility: the estimator checks (default and pretrained
-configurations), model selection, pipelines and pickling."""
+"""scikit-learn compatibility beyond the estimator checks (which run for every
+registered estimator in test_contract.py): model selection, pipelines and pickling."""
 
 from __future__ import annotations
 
-import functools
 import pickle
 
 import numpy as np
 import pytest
 import torch
+from conftest import _train, make_skorch_regressor
 from sklearn.base import clone
-from sklearn.frozen import FrozenEstimator
 from sklearn.model_selection import GridSearchCV, KFold, cross_validate
 from sklearn.pipeline import Pipeline, make_pipeline
 from sklearn.preprocessing import StandardScaler
-from sklearn.utils.estimator_checks import estimator_checks_generator, parametrize_with_checks
 
-from conftest import _train, make_skorch_classifier, make_skorch_regressor
 from sklearn_lla import LLAClassifier, LLARegressor
-from sklearn_lla.nets import MLP
-
-# ---------------------------------------------------------------------------------
-# check_estimator, default configuration (net=None): no expected failures
-# ---------------------------------------------------------------------------------
-
-
-@parametrize_with_checks([LLARegressor(device="cpu"), LLAClassifier(device="cpu")])
-def test_sklearn_compatible_default(estimator, check):
-    check(estimator)
-
-
-# ---------------------------------------------------------------------------------
-# check_estimator, pretrained configurations
-# ---------------------------------------------------------------------------------
-# A pretrained net has a fixed input width (3 here) and, for classifiers, a fixed
-# number of logits (3). The checks below feed other widths / class counts, which no
-# fixed net can accept; every other check must pass. The nets are only initialised
-# (seeded, no training): the checks test the sklearn contract, not accuracy.
-
-with torch.random.fork_rng():
-    torch.manual_seed(0)
-    _REG_NET = make_skorch_regressor(3, 1, (8,)).initialize()
-    _CLF_NET = make_skorch_classifier(3, 3, (8,)).initialize()
-    _CLF_MODULE = MLP(3, 3, (8,), dtype=torch.float64)
-
-_WIDTH = "feeds X with a number of features other than the pretrained net's 3"
-_TWO = "fits 2-class y, the pretrained net has 3 logits"
-_COMMON_XFAILS = {
-    "check_estimators_overwrite_params": _WIDTH + " (2); besides, joblib.hash of a "
-    "deep-copied torch tensor differs from the original's, so this check cannot hold "
-    "for a torch-object parameter (we test non-mutation in test_net.py instead)",
-    "check_estimators_fit_returns_self": _WIDTH + " (2)",
-    "check_readonly_memmap_input": _WIDTH + " (2)",
-    "check_n_features_in_after_fitting": _WIDTH + " (4)",
-    "check_positive_only_tag_during_fit": _WIDTH + " (4)",
-    "check_estimators_dtypes": _WIDTH + " (5)",
-    "check_dtype_object": _WIDTH + " (10)",
-    "check_fit_idempotent": _WIDTH + " (2)",
-    "check_fit_check_is_fitted": _WIDTH + " (2)",
-    "check_n_features_in": _WIDTH + " (2)",
-}
-_REG_XFAILS = {
-    **_COMMON_XFAILS,
-    "check_regressors_train": _WIDTH + " (10)",
-    "check_regressor_data_not_an_array": _WIDTH + " (10)",
-    "check_regressor_multioutput": _WIDTH + " (10)",
-    "check_regressors_no_decision_function": _WIDTH + " (4)",
-    "check_regressors_int": _WIDTH + " (10)",
-}
-_CLF_XFAILS = {
-    **_COMMON_XFAILS,
-    "check_pipeline_consistency": _TWO,
-    "check_estimators_nan_inf": _TWO,
-    "check_estimators_pickle": _TWO,
-    "check_classifier_data_not_an_array": _WIDTH + " (2)",
-    "check_classifiers_classes": _WIDTH + " (2)",
-    "check_classifiers_train": _WIDTH + " (2)",
-}
-
-
-def _pretrained_xfails(estimator):
-    return _REG_XFAILS if isinstance(estimator, LLARegressor) else _CLF_XFAILS
-
-
-def _check_id(check):
-    """A stable test id. (parametrize_with_checks uses the estimator's repr, and a
-    skorch net's repr prints a set whose order changes between processes, so
-    pytest-xdist workers would collect different test ids.)"""
-    if isinstance(check, functools.partial):
-        kw = ",".join(f"{k}={v}" for k, v in check.keywords.items())
-        return f"{check.func.__name__}({kw})" if kw else check.func.__name__
-    return check.__name__
-
-
-def _pretrained_check_params():
-    configs = {
-        "reg-skorch": LLARegressor(_REG_NET, device="cpu"),
-        "reg-frozen": LLARegressor(FrozenEstimator(_REG_NET), device="cpu"),
-        "clf-skorch": LLAClassifier(_CLF_NET, device="cpu"),
-        "clf-module": LLAClassifier(_CLF_MODULE, device="cpu"),
-    }
-    params = []
-    for name, est in configs.items():
-        for item in estimator_checks_generator(
-            est, legacy=True, expected_failed_checks=_pretrained_xfails(est), mark="xfail",
-            xfail_strict=True,
-        ):
-            values = item.values if hasattr(item, "values") else item
-            marks = item.marks if hasattr(item, "marks") else ()
-            params.append(pytest.param(*values, marks=marks,
-                                       id=f"{name}-{_check_id(values[1])}"))
-    return params
-
-
-# The same as @parametrize_with_checks([...], expected_failed_checks=_pretrained_xfails)
-# (xfail_strict: an expected failure that passes fails the test), with stable ids.
-@pytest.mark.parametrize("estimator, check", _pretrained_check_params())
-def test_sklearn_compatible_pretrained(estimator, check):
-    check(estimator)
-
 
 # ---------------------------------------------------------------------------------
 # Model selection with a pretrained net

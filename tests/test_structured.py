@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, jacrev, jvp, vmap
 
+import sklearn_lla._structured as S
+import sklearn_lla._structured_jacobian as SJ
 from sklearn_lla._structured import StructuredChain, StructuredJacobian
 
 DT = torch.float64
@@ -216,17 +220,18 @@ def test_jvp(name):
 
 def test_chunked_vjp_matmul(monkeypatch):
     """The K-chunked paths give the same results as the unchunked ones."""
-    import sklearn_lla._structured as S
-
     net, chain, params, buffers, x = _setup("mlp_c3")
     feats = chain.features(params, buffers, x)
     J = feats.dense()
     K = 7
     U = torch.randn(feats.n_rows, K, dtype=DT)
     V = {k: torch.randn(K, *p.shape, dtype=DT) for k, p in params.items()}
-    monkeypatch.setattr(S, "_CHUNK_ELEMENTS", 1)
+    Uc = torch.randn(K, x.shape[0], 3, dtype=DT)
+    monkeypatch.setattr(SJ, "_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(S, "_VJP_CHUNK_ELEMENTS", 1)
     _close(_flat(feats.vjp(U), params), (J.T @ U).T)
     _close(feats.matmul(V), J @ _flat(V, params).T)
+    _close(_flat(chain.vjp(params, buffers, x, Uc), params), Uc.reshape(K, -1) @ J)
 
 
 def test_no_grad_float32_and_partial_dicts():
@@ -241,7 +246,7 @@ def test_no_grad_float32_and_partial_dicts():
         out = chain.forward(params, {}, x)
         _, Jt = chain.jvp(params, None, x, {"layers.0.weight": torch.ones(2, 6, 4)})
         Jv = feats.matmul({"layers.0.weight": torch.ones(2, 6, 4)})
-    assert G.dtype == torch.float32 and not G.requires_grad
+    assert G.dtype == torch.float64 and not G.requires_grad  # Gram algebra in float64
     assert out.dtype == torch.float32 and not out.requires_grad
     torch.testing.assert_close(out, net(x).detach())
     torch.testing.assert_close(Jt.reshape(-1, 2), Jv)
@@ -382,7 +387,283 @@ def test_rejects(net):
     assert StructuredChain.from_module(net) is None
 
 
-def test_rejects_hooks():
-    net = _mlp()
+def test_hooks_are_followed():
+    """Hooks run inside the recorded forward pass: their maps become part of the chain."""
+    net = _mlp(c=2).to(DT).eval()
     net[0].register_forward_hook(lambda m, i, o: o * 2)
-    assert StructuredChain.from_module(net) is None
+    net[2].register_forward_pre_hook(lambda m, i: (i[0] - 0.5,))
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    x = torch.randn(5, 4, dtype=DT)
+    chain = StructuredChain.from_module(net, x)
+    assert chain is not None
+    _close(chain.forward(params, {}, x), net(x).detach(), 1e-14)
+    _close(chain.features(params, {}, x).dense(), _ref_jac(net, params, {}, x))
+
+
+def test_hook_with_unsupported_op_is_rejected():
+    net = _mlp(c=2)
+    net[0].register_forward_hook(lambda m, i, o: o.softmax(-1))
+    chain, reason = StructuredChain.trace(net)
+    assert chain is None and "softmax" in reason
+
+
+@pytest.mark.parametrize(
+    "net, words",
+    [
+        (nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.Linear(5, 1)),
+         ["LayerNorm", "'1'", "layer_norm"]),
+        (nn.Sequential(nn.Linear(4, 3), nn.Softmax(dim=-1)), ["Softmax", "softmax"]),
+        (_Residual(), ["residual"]),
+        (_ParamScale(), ["'scale'"]),
+        (_Twice(), ["more than one linear layer"]),
+        (_Unused(), ["'spare.weight'", "not used"]),
+        (_TwoInputs(), ["failed", "TypeError"]),
+        (nn.Sequential(nn.Tanh()), ["no nn.Linear"]),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, nn.Module) else "",
+)
+def test_reasons(net, words):
+    chain, reason = StructuredChain.trace(net)
+    assert chain is None
+    for w in words:
+        assert w in reason, reason
+
+
+def test_trace_reason_and_repr_of_supported_chain():
+    net, chain, params, buffers, x = _setup("standardized")
+    c2, reason = StructuredChain.trace(net, x)
+    assert reason == "chain of 2 nn.Linear layers and elementwise maps" == c2.description
+    assert c2.n_linear == 2
+    assert "x_mean" in repr(c2) and "layers.2.weight" in repr(c2)
+
+
+def test_trace_leaves_the_module_alone():
+    net = nn.Sequential(nn.Linear(4, 5), nn.Dropout(0.5), nn.Tanh(), nn.Linear(5, 1))
+    net.train()
+    assert StructuredChain.from_module(net) is not None  # traced in eval mode, on a copy
+    assert net.training and all(m.training for m in net.modules())
+
+
+# every activation module the structured path knows, through closed forms or autograd
+_ACTIVATIONS = [
+    nn.Tanh, nn.ReLU, nn.Sigmoid, nn.GELU, nn.SiLU, nn.ELU, nn.LeakyReLU, nn.Softplus,
+    nn.Mish, nn.Hardtanh, nn.Tanhshrink, nn.Softsign, nn.ReLU6, nn.SELU, nn.CELU,
+    nn.Hardswish, nn.Hardsigmoid, nn.LogSigmoid, nn.Identity, nn.Dropout, nn.AlphaDropout,
+    lambda: nn.ReLU(inplace=True), lambda: nn.GELU(approximate="tanh"),
+]
+
+
+@pytest.mark.parametrize("act", _ACTIVATIONS, ids=range(len(_ACTIVATIONS)))
+def test_activation_modules(act):
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(4, 6), act(), nn.Linear(6, 2), act()).to(DT).eval()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    x = torch.randn(7, 4, dtype=DT)
+    chain, reason = StructuredChain.trace(net, x)
+    assert chain is not None, reason
+    _close(chain.forward(params, {}, x), net(x).detach(), 1e-14)
+    J = _ref_jac(net, params, {}, x)
+    _close(chain.features(params, {}, x).dense(), J)
+    V = {k: torch.randn(3, *p.shape, dtype=DT) for k, p in params.items()}
+    _close(chain.jvp(params, {}, x, V)[1].reshape(-1, 3), J @ _flat(V, params).T)
+
+
+class _Functional(nn.Module):
+    """Elementwise functions, methods, pow, reversed operators, dtype cast, F.linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(5, 4, dtype=DT) / 2)
+        self.b1 = nn.Parameter(torch.randn(5, dtype=DT))
+        self.l2 = nn.Linear(5, 3, dtype=DT)
+        self.register_buffer("s", torch.rand(1, 5, dtype=DT) + 0.5)
+
+    def forward(self, x):
+        h = F.linear(x.double(), self.w1, self.b1)
+        h = torch.exp(-torch.sin(h).abs() ** 2)
+        h = self.s * (1.0 / (1.5 + h)) - 0.5
+        h = 2.0 ** torch.cos(h / self.s)
+        return self.l2(h).neg()
+
+
+def test_functional_ops():
+    torch.manual_seed(0)
+    net = _Functional().eval()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    x = torch.randn(6, 4, dtype=DT)
+    chain, reason = StructuredChain.trace(net, x)
+    assert chain is not None, reason
+    _close(chain.forward(params, None, x), net(x).detach(), 1e-14)
+    J = _ref_jac(net, params, dict(net.named_buffers()), x)
+    _close(chain.features(params, None, x).dense(), J)
+
+
+@pytest.mark.parametrize("name", ["mlp_c3", "standardized", "various"])
+def test_vjp(name):
+    net, chain, params, buffers, x = _setup(name)
+    J = _ref_jac(net, params, buffers, x)
+    B, K = x.shape[0], 4
+    C = J.shape[0] // B
+    U = torch.randn(K, B, C, dtype=DT)
+    vj = chain.vjp(params, buffers, x, U)
+    assert list(vj) == list(params)
+    _close(_flat(vj, params), U.reshape(K, -1) @ J)
+    with pytest.raises(ValueError, match="cotangents"):
+        chain.vjp(params, buffers, x, U[:, :2])
+
+
+@pytest.mark.parametrize("which", ["last", "first", "middle_bias", "no_bias_weight"])
+def test_parameter_subsets(which):
+    name = "no_bias" if which == "no_bias_weight" else "mlp_c3"
+    net, chain, params, buffers, x = _setup(name)
+    names = {
+        "last": ["4.weight", "4.bias"],
+        "first": ["0.weight"],
+        "middle_bias": ["2.bias", "4.weight"],
+        "no_bias_weight": ["2.weight"],
+    }[which]
+    J = _ref_jac(net, params, buffers, x)
+    cols, start = [], 0
+    for k, p in params.items():
+        if k in names:
+            cols.append(J[:, start:start + p.numel()])
+        start += p.numel()
+    Js = torch.cat(cols, dim=1)
+    sub = {k: params[k] for k in params if k in names}
+    feats = chain.features(params, buffers, x, param_names=names)
+    assert feats.param_names == list(sub) and feats.n_params == Js.shape[1]
+    _close(feats.dense(), Js)
+    _close(feats.gram(), Js @ Js.T)
+    _close(feats.diag(), (Js * Js).sum(1))
+    B, C = x.shape[0], J.shape[0] // x.shape[0]
+    _close(feats.diag_blocks(), (Js.view(B, C, -1) @ Js.view(B, C, -1).transpose(1, 2)))
+    U = torch.randn(Js.shape[0], 3, dtype=DT)
+    _close(_flat(feats.vjp(U), sub), (Js.T @ U).T)
+    Uc = torch.randn(3, B, C, dtype=DT)
+    _close(_flat(chain.vjp(params, buffers, x, Uc, names), sub), Uc.reshape(3, -1) @ Js)
+    V = {k: torch.randn(3, *p.shape, dtype=DT) for k, p in sub.items()}
+    _close(chain.jvp(params, buffers, x, V)[1].reshape(-1, 3), Js @ _flat(V, sub).T)
+    _close(feats.matmul(V), Js @ _flat(V, sub).T)
+    with pytest.raises(ValueError, match="unknown"):
+        chain.features(params, buffers, x, param_names=["nope"])
+
+
+def test_float32_gram_is_float64():
+    """Factors in the network's dtype, Gram / diag / diag_blocks accumulated in float64."""
+    net, chain, params, buffers, x = _setup("mlp_c3")
+    p32 = {k: v.float() for k, v in params.items()}
+    f64 = chain.features(params, buffers, x)
+    f32 = chain.features(p32, buffers, x.float())
+    assert f32.dtype == torch.float32
+    for a, b in [(f32.gram(), f64.gram()), (f32.diag(), f64.diag()),
+                 (f32.diag_blocks(), f64.diag_blocks())]:
+        assert a.dtype == torch.float64
+        _close(a, b, 1e-5)
+
+
+def test_inference_mode_and_autograd_derivatives():
+    """Derivatives by reverse mode also work inside torch.inference_mode()."""
+    net, chain, params, buffers, x = _setup("gelu")
+    ref = chain.features(params, buffers, x).dense()
+    with torch.inference_mode():
+        xi = x.clone()
+        got = chain.features(params, buffers, xi).dense()
+        _, jv = chain.jvp(params, buffers, xi, {k: v[None] for k, v in params.items()})
+    _close(got, ref)
+    _close(jv[..., 0].reshape(-1), ref @ _flat({k: v[None] for k, v in params.items()},
+                                             params)[0])
+
+
+def test_tracing_does_not_disturb_other_threads():
+    """Tracing is thread-local: modules running in other threads meanwhile are unaffected
+    (torch.fx.symbolic_trace patches nn.Module.__call__ process-wide while it traces)."""
+    other = _mlp(c=2).to(DT).eval()
+    x = torch.randn(16, 4, dtype=DT)
+    with torch.no_grad():
+        ref = other(x)
+    errors, stop = [], threading.Event()
+
+    def run():
+        try:
+            while not stop.is_set():
+                with torch.no_grad():
+                    out = other(x)
+                if not torch.equal(out, ref):
+                    errors.append("wrong output")
+        except Exception as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(30):
+            assert StructuredChain.from_module(_Various().to(DT)) is not None
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors[:3]
+
+
+class _SqueezedLogit(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(4, 5, dtype=DT)
+        self.l2 = nn.Linear(5, 1, dtype=DT)
+
+    def forward(self, x):
+        return torch.sigmoid(self.l2(torch.tanh(self.l1(x))).squeeze(-1) * 2.0)
+
+
+class _Viewed(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.l1 = nn.Linear(6, 4, dtype=DT)
+        self.l2 = nn.Linear(4, 2, dtype=DT)
+
+    def forward(self, x):
+        if self.how == "view":
+            x = x.view(-1, 6)
+        elif self.how == "reshape":
+            x = torch.reshape(x, (-1, 6))
+        else:  # batch-size dependent: not accepted
+            x = x.view(x.size(0), -1)
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+@pytest.mark.parametrize("how", ["view", "reshape", "size"])
+def test_view_before_first_layer(how):
+    torch.manual_seed(0)
+    net = _Viewed(how).eval()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    x = torch.randn(5, 2, 3, dtype=DT)
+    chain, reason = StructuredChain.trace(net, x)
+    if how == "size":
+        assert chain is None and "Tensor.size" in reason
+        return
+    assert chain is not None, reason
+    _close(chain.forward(params, None, x), net(x).detach(), 1e-14)
+    _close(chain.features(params, None, x).dense(), _ref_jac(net, params, {}, x))
+
+
+def test_squeezed_single_output():
+    """A trailing (B, 1) -> (B,) squeeze is accepted; the chain keeps (B, 1)."""
+    torch.manual_seed(0)
+    net = _SqueezedLogit().eval()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    x = torch.randn(5, 4, dtype=DT)
+    chain, reason = StructuredChain.trace(net, x)
+    assert chain is not None, reason
+    _close(chain.forward(params, None, x), net(x).detach()[:, None], 1e-14)
+
+    def f(p, xi):
+        return functional_call(net, p, (xi[None],))
+
+    jac = vmap(jacrev(f), in_dims=(None, 0))(params, x)
+    J = torch.cat([jac[k].reshape(5, -1) for k in params], dim=1)
+    _close(chain.features(params, None, x).dense(), J)
+    # squeezing a wider output, or a linear layer after the squeeze, is not supported
+    wide = nn.Sequential(nn.Linear(4, 2), nn.Flatten(0))
+    assert StructuredChain.from_module(wide) is None

@@ -1,0 +1,190 @@
+"""The posterior contract every method implements.
+
+A method is one :class:`Posterior` subclass plus two thin estimators. The estimator
+(see :mod:`sklearn_lla._base`) validates input, resolves the network into a
+:class:`~sklearn_lla._linearize.LinearizedNet`, picks the likelihood, and hands the
+posterior a :class:`FitData`; everything the user sees (``predict``,
+``return_std``, ``return_cov``, ``predict_proba``, ``sample_y``, scorers) is built
+from the :class:`LatentPredictive` that :meth:`Posterior.predict` returns.
+
+::
+
+    FitData          the batched training stream (+ optional validation stream)
+    Posterior.fit(data) -> self
+    Posterior.predict(x) -> LatentPredictive(mean (B, C), cov (B, C, C))
+    Posterior.predict_joint(x) -> (mean (B, C), cov (B*C, B*C))   [optional]
+    Posterior.fitted_attributes   names of the state ``fit`` sets
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["FitData", "LatentPredictive", "Posterior", "to_batch"]
+
+
+def to_batch(X, sl, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Rows ``sl`` (a slice or an index array) of array-like ``X`` as a fresh tensor.
+
+    Reads only those rows (memmaps and other array-likes are never loaded whole) and
+    always copies, so read-only input never backs a tensor.
+    """
+    rows = X[sl]
+    np_dtype = torch.empty((), dtype=dtype).numpy().dtype
+    with np.errstate(over="ignore"):
+        arr = np.array(rows, dtype=np_dtype, copy=True)
+    if not np.isfinite(arr).all():
+        what = (f"rows {sl.start}..{sl.stop - 1}" if isinstance(sl, slice) else "some rows")
+        raise ValueError(
+            f"{what} of X are not finite in the network's dtype {np_dtype} (values beyond "
+            f"{np.finfo(np_dtype).max:.3g} overflow it); rescale the inputs"
+        )
+    return torch.from_numpy(arr).to(device)
+
+
+class FitData:
+    """The training stream a posterior fits on.
+
+    Parameters
+    ----------
+    lin : LinearizedNet
+        The frozen network.
+    likelihood : Likelihood
+        The likelihood (its hyperparameters may still be chosen by the posterior).
+    X : array-like of shape (n_samples, n_features)
+        Validated inputs (numpy array or memmap; float32 stays float32). Read per
+        batch.
+    y : Tensor
+        Regression targets (n_samples, C) float64, or class indices (n_samples,) int64.
+    batch_size : int
+        Rows per batch.
+    generator : torch.Generator
+        Random source seeded from ``random_state`` (CPU).
+    validation : FitData or None
+        Held-out data the network did not fit, if any.
+    verbose : int
+        ``>= 1`` for progress bars.
+
+    Attributes
+    ----------
+    n_samples : int
+    n_outputs : int
+    device : torch.device
+    dtype : torch.dtype
+        The network's dtype (inputs are cast to it per batch).
+    """
+
+    def __init__(self, lin, likelihood, X, y, *, batch_size=256, generator=None,
+                 validation=None, verbose=0):
+        self.lin = lin
+        self.likelihood = likelihood
+        self.X = X
+        self.y = y
+        self.batch_size = int(batch_size)
+        self.generator = generator if generator is not None else torch.Generator()
+        self.validation = validation
+        self.verbose = int(verbose)
+
+    @property
+    def n_samples(self) -> int:
+        return int(self.X.shape[0])
+
+    @property
+    def n_outputs(self) -> int:
+        return int(self.likelihood.n_outputs)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lin.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lin.dtype
+
+    def rows(self, idx) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets of rows ``idx`` (slice or index array)."""
+        if not isinstance(idx, slice):
+            idx = np.asarray(idx)
+            order = np.argsort(idx, kind="stable")
+            x = to_batch(self.X, idx[order], self.dtype, self.device)
+            inv = torch.from_numpy(np.argsort(order, kind="stable")).to(self.device)
+            x = x[inv]
+            yi = torch.from_numpy(idx).to(self.y.device)
+            return x, self.y[yi]
+        return to_batch(self.X, idx, self.dtype, self.device), self.y[idx]
+
+    def batches(self, batch_size: int | None = None, order=None) -> Iterator:
+        """Yield ``(x, y)`` batches, in row order or in the order of index array ``order``."""
+        bs = int(batch_size or self.batch_size)
+        n = self.n_samples
+        for start in range(0, n, bs):
+            stop = min(start + bs, n)
+            yield self.rows(slice(start, stop) if order is None else order[start:stop])
+
+    def progress(self, total: int, desc: str):
+        """A tqdm bar when ``verbose`` (else ``None``)."""
+        if not self.verbose:
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, leave=False)
+
+
+@dataclass
+class LatentPredictive:
+    """Gaussian latent predictive ``f(x) ~ N(mean, cov)`` at a batch of points.
+
+    Attributes
+    ----------
+    mean : Tensor of shape (B, C)
+        The network's outputs (float64).
+    cov : Tensor of shape (B, C, C)
+        Per-point latent covariance blocks (float64, symmetric PSD).
+    """
+
+    mean: torch.Tensor
+    cov: torch.Tensor
+
+    @property
+    def var(self) -> torch.Tensor:
+        """Latent variances ``diag(cov)`` of shape (B, C), clipped at zero."""
+        return torch.diagonal(self.cov, dim1=-2, dim2=-1).clamp_min(0.0)
+
+    def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``n`` draws per point (independent across points), shape (n, B, C)."""
+        from ._likelihoods import _latent_draws
+
+        eps = torch.randn((n, *self.mean.shape), dtype=self.mean.dtype, generator=generator)
+        return _latent_draws(self.mean, self.cov, eps.to(self.mean.device))
+
+
+class Posterior:
+    """Base class of a method's posterior (pure torch, float64 algebra).
+
+    Subclasses implement :meth:`fit` and :meth:`predict`, list the state ``fit`` sets
+    in ``fitted_attributes``, and may implement :meth:`predict_joint` (joint
+    covariance over query points, for ``return_cov`` and ``sample_y``). After ``fit``
+    every posterior exposes ``prior_variance`` (float), ``likelihood`` (with fitted
+    hyperparameters), ``hyper_strategy`` (name) and ``hyper_trace`` (dict).
+    """
+
+    #: Names of the fitted state set by :meth:`fit`.
+    fitted_attributes: tuple[str, ...] = ()
+
+    def fit(self, data: FitData) -> Posterior:  # pragma: no cover - interface
+        """Fit on the training stream ``data``; returns ``self``."""
+        raise NotImplementedError
+
+    def predict(self, x: torch.Tensor) -> LatentPredictive:  # pragma: no cover
+        """Latent predictive at a batch of inputs ``x`` (network dtype, device)."""
+        raise NotImplementedError
+
+    def predict_joint(self, x: torch.Tensor):
+        """Mean (B, C) and joint latent covariance (B*C, B*C) at ``x``."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not provide joint covariances over query points"
+        )

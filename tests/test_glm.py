@@ -1,0 +1,216 @@
+"""The feature-space GLM posterior (sklearn_lla._glm) and the hyperparameter layer.
+
+* last-layer LLA (``subset_of_weights="last_layer"``) against a dense last-layer
+  oracle built with ``torch.func.jacrev`` and scipy, sharing no code with the package;
+* a non-orthonormal projection ``V`` (subspace Laplace's case) against the dense
+  subspace formula ``S = J V (V^T H V)^-1 V^T J^T``;
+* the strategies of ``_hyper``: evidence and validation grids against brute force,
+  edge warnings.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import numpy as np
+import pytest
+import scipy.linalg
+import torch
+from torch.func import functional_call, jacrev
+
+from sklearn_lla import LLAClassifier, LLARegressor
+from sklearn_lla._glm import GLMPosterior, ProjectionFeatures
+from sklearn_lla._hyper import (
+    Evidence,
+    HyperparameterWarning,
+    ValidationGrid,
+    glm_log_evidence,
+)
+from sklearn_lla._likelihoods import Categorical, Gaussian
+from sklearn_lla._linearize import LinearizedNet
+from sklearn_lla._protocol import FitData
+
+S0, S2 = 0.7, 0.02
+
+
+def _last_layer_jacobian(module, X, names):
+    """Dense Jacobian of the outputs w.r.t. the named parameters only: (N, C, P_ll)."""
+    mod = copy.deepcopy(module).double().eval()
+    params = {n: p.detach() for n, p in mod.named_parameters()}
+    sub = {n: params[n] for n in names}
+    Xt = torch.as_tensor(np.asarray(X, dtype=np.float64))
+
+    def g(s):
+        return functional_call(mod, ({**params, **s},), (Xt,)).reshape(len(Xt), -1)
+
+    jac = jacrev(g)(sub)
+    N, C = g(sub).shape
+    J = torch.cat([jac[n].reshape(N, C, -1) for n in names], -1)
+    theta = torch.cat([sub[n].reshape(-1) for n in names])
+    with torch.no_grad():
+        f = g(sub)
+    return f.numpy(), J.detach().numpy(), theta.numpy()
+
+
+def _dense_ll(module, X, Xt, names, lam_fn, s0):
+    f, J, theta = _last_layer_jacobian(module, X, names)
+    _, Jt, _ = _last_layer_jacobian(module, Xt, names)
+    Lam = lam_fn(f)
+    H = np.einsum("nci,ncd,ndj->ij", J, Lam, J) + np.eye(J.shape[-1]) / s0
+    Sigma = scipy.linalg.inv(H)
+    S = np.einsum("bci,ij,bdj->bcd", Jt, Sigma, Jt)
+    return S, f, J, theta, H
+
+
+@pytest.mark.parametrize("which", ["reg", "reg2"])
+def test_last_layer_regression_matches_dense_oracle(which, request):
+    data = request.getfixturevalue(f"{which}_data")
+    net = request.getfixturevalue(f"{which}_net")
+    est = LLARegressor(net, subset_of_weights="last_layer", prior_variance=S0, noise_variance=S2,
+                       device="cpu").fit(data.X, data.y)
+    names = est.linearized_net_.names
+    last = [n for n, _ in net.module_.named_parameters()][-2:]
+    assert names == last
+    C = est.n_outputs_
+    S, *_ = _dense_ll(net.module_, data.X, data.X_test, names,
+                      lambda f: np.broadcast_to(np.eye(C) / S2, (len(f), C, C)), S0)
+    _, std = est.predict(data.X_test, return_std=True)
+    want = np.sqrt(np.einsum("bcc->bc", S) + S2)
+    np.testing.assert_allclose(std.reshape(want.shape), want, rtol=1e-10)
+    # the joint covariance too
+    cov = est.predict(data.X_test[:5], return_cov=True)[1]
+    if C == 1:
+        _, Jt, _ = _last_layer_jacobian(net.module_, data.X_test[:5], names)
+        f, J, _ = _last_layer_jacobian(net.module_, data.X, names)
+        H = np.einsum("nci,ncj->ij", J, J) / S2 + np.eye(J.shape[-1]) / S0
+        want = Jt[:, 0] @ scipy.linalg.inv(H) @ Jt[:, 0].T + S2 * np.eye(5)
+        np.testing.assert_allclose(cov, want, rtol=1e-9)
+
+
+def test_last_layer_classification_matches_dense_oracle(clf_data, clf_net, dense_ref):
+    est = LLAClassifier(clf_net, subset_of_weights="last_layer", prior_variance=S0,
+                        device="cpu").fit(clf_data.X, clf_data.y)
+    names = est.linearized_net_.names
+
+    def lam(f):
+        p = dense_ref.softmax(f)
+        return np.einsum("nc,cd->ncd", p, np.eye(p.shape[1])) - np.einsum("nc,nd->ncd", p, p)
+
+    S, *_ = _dense_ll(clf_net.module_, clf_data.X, clf_data.X_test, names, lam, S0)
+    got = torch.stack([est.posterior_.predict(torch.as_tensor(clf_data.X_test[i:i + 1])).cov[0]
+                       for i in range(len(clf_data.X_test))]).numpy()
+    np.testing.assert_allclose(got, S, rtol=1e-9, atol=1e-12)
+    f = clf_net.module_(torch.as_tensor(clf_data.X_test)).detach().numpy()
+    var = np.einsum("bcc->bc", S)
+    want = dense_ref.softmax(f / np.sqrt(1 + math.pi / 8 * var))
+    np.testing.assert_allclose(est.predict_proba(clf_data.X_test), want, rtol=1e-9)
+
+
+def test_last_layer_evidence_matches_dense(reg_data, reg_net):
+    est = LLARegressor(reg_net, subset_of_weights="last_layer", device="cpu").fit(
+        reg_data.X, reg_data.y)
+    assert est.hyper_strategy_ == "evidence"
+    names = est.linearized_net_.names
+    s0, s2 = est.prior_variance_, est.noise_variance_
+    f, J, theta = _last_layer_jacobian(reg_net.module_, reg_data.X, names)
+    y = reg_data.y.reshape(-1, 1)
+    N, C, P = J.shape
+
+    def evidence(a, b):
+        H = np.einsum("nci,ncj->ij", J, J) / b + np.eye(P) / a
+        ll = -0.5 * N * C * math.log(2 * math.pi * b) - 0.5 * ((y - f) ** 2).sum() / b
+        return ll - 0.5 * theta @ theta / a - 0.5 * (np.linalg.slogdet(H)[1] + P * math.log(a))
+
+    np.testing.assert_allclose(est.log_marginal_likelihood_, evidence(s0, s2), rtol=1e-9)
+    for da in (0.9, 1.1):
+        for db in (0.9, 1.1):
+            assert evidence(s0, s2) >= evidence(s0 * da, s2 * db) - 1e-9
+
+
+# ---------------------------------------------------------------------------------
+# A non-orthonormal projection: the prior Gram V^T V whitens correctly
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task", ["regression", "classification"])
+def test_projection_features_match_dense_subspace(task, reg_data, reg_net, clf_data, clf_net,
+                                                  dense_ref):
+    data, net = (reg_data, reg_net) if task == "regression" else (clf_data, clf_net)
+    ref = dense_ref.reference(net.module_, data.X, data.y, data.X_test, task, S0,
+                              S2 if task == "regression" else None)
+    P, C = ref.P, ref.C
+    rng = np.random.RandomState(0)
+    Vmat = rng.randn(7, P) * rng.uniform(0.1, 3.0, (7, 1))  # K = 7, far from orthonormal
+    lin = LinearizedNet(net.module_, torch.device("cpu"))
+    lik = Gaussian(S2, C) if task == "regression" else Categorical(C)
+    y = (torch.as_tensor(data.y.reshape(len(data.y), -1)) if task == "regression"
+         else torch.as_tensor(data.y))
+    fd = FitData(lin, lik, data.X, y, batch_size=11)
+    post = GLMPosterior(ProjectionFeatures(torch.as_tensor(Vmat)), S0,
+                        S2 if task == "regression" else None).fit(fd)
+    got = post.predict(torch.as_tensor(data.X_test)).cov.numpy()
+    # dense: S = J V (V^T H V)^-1 V^T J^T with the full GGN precision H
+    Vt = Vmat.T
+    Hs = Vt.T @ ref.H @ Vt
+    Jv = np.einsum("bcp,pk->bck", ref.J_test, Vt)
+    want = np.einsum("bck,kl,bdl->bcd", Jv, scipy.linalg.inv(Hs), Jv)
+    np.testing.assert_allclose(got, want, rtol=1e-8, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------
+# Hyperparameter strategies
+# ---------------------------------------------------------------------------------
+
+
+def test_evidence_strategy_matches_fine_grid():
+    rng = np.random.RandomState(0)
+    e = rng.gamma(0.5, 20.0, 40)
+    kw = dict(eigvals=e, theta_sq_norm=35.0, data_fit=12.0, n_obs=200, n_outside=13)
+    res = Evidence().select("auto", "auto", n_params=53, **kw)
+    a = res.prior_variance * np.exp(np.linspace(-0.05, 0.05, 41))
+    b = res.noise_variance * np.exp(np.linspace(-0.05, 0.05, 41))
+    vals = np.array([[glm_log_evidence(u, v, **kw) for v in b] for u in a])
+    assert glm_log_evidence(res.prior_variance, res.noise_variance, **kw) >= vals.max() - 1e-9
+    assert res.strategy == "evidence" and res.trace["n_evaluations"] > 0
+
+
+def test_validation_grid_picks_the_minimum_and_warns_at_edges():
+    grid = ValidationGrid(prior_grid=np.logspace(-2, 2, 9), noise_grid=np.logspace(-1, 1, 5))
+
+    def score(s0, s2):  # a bowl with its minimum at s0 = 1, s2 = 2 * base
+        return (np.log(s0)[:, None]) ** 2 + (np.log(s2 / 2.0)[None, :]) ** 2
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = grid.select("auto", "auto", score=score, base_prior=1.0, base_noise=1.0)
+    assert res.prior_variance == pytest.approx(1.0)
+    assert res.noise_variance == pytest.approx(10 ** 0.5)  # nearest grid point to 2
+    # the optimum at the raw-network floor and at the upper edge both warn
+    with pytest.warns(HyperparameterWarning, match="lower edge"):
+        grid.select("auto", None, score=lambda s0, s2: s0[:, None], base_prior=1.0)
+    with pytest.warns(HyperparameterWarning, match="upper edge"):
+        grid.select("auto", None, score=lambda s0, s2: -s0[:, None], base_prior=1.0)
+    with pytest.raises(FloatingPointError, match="not finite"):
+        grid.select("auto", None, score=lambda s0, s2: np.full((len(s0), 1), np.nan),
+                    base_prior=1.0)
+
+
+def test_validation_strategy_equals_brute_force(reg_data, reg_net):
+    X, y = reg_data.X, reg_data.y
+    Xv, yv = reg_data.X_test, reg_data.y_test
+    est = LLARegressor(reg_net, device="cpu").fit(X, y, validation_data=(Xv, yv))
+    assert est.hyper_strategy_ == "validation"
+    trace = est.hyper_trace_
+    s0s, s2s = trace["prior_variance"], trace["noise_variance"]
+    i, j = np.unravel_index(np.argmin(trace["score"]), trace["score"].shape)
+    assert est.prior_variance_ == s0s[i] and est.noise_variance_ == s2s[j]
+    # spot-check a few candidates against fixed-hyperparameter fits
+    from sklearn_lla.metrics import gaussian_nll
+
+    for a, b in [(i, j), (0, 0), (len(s0s) - 1, len(s2s) // 2)]:
+        fixed = LLARegressor(reg_net, prior_variance=s0s[a], noise_variance=s2s[b],
+                             device="cpu").fit(X, y)
+        m, s = fixed.predict(Xv, return_std=True)
+        np.testing.assert_allclose(trace["score"][a, b], gaussian_nll(yv, m, s), rtol=1e-8)
