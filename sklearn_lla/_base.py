@@ -28,7 +28,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 
 from ._likelihoods import Bernoulli, Categorical, Gaussian, point_normals, row_keys
 from ._linearize import LinearizedNet
-from ._net import is_pretrained, resolve_net
+from ._net import is_pretrained, resolve_net, skorch_validation_rows
 from ._protocol import FitData, to_batch
 from ._utils import resolve_device, safe_cholesky, torch_seed
 
@@ -43,6 +43,7 @@ _MIN_ROWS_FOR_HOLDOUT = 20
 _COMMON_CONSTRAINTS = {
     "net": "no_validation",
     "prior_variance": [Interval(Real, 0, None, closed="neither"), StrOptions({"auto"})],
+    "hyper_strategy": [StrOptions({"auto", "evidence", "validation", "weight_norm"})],
     "validation_fraction": [Interval(Real, 0, 1, closed="neither")],
     "trainable_only": ["boolean"],
     "device": [str, torch.device],
@@ -141,15 +142,25 @@ class _LaplaceBase(BaseEstimator):
         likelihood, classes, ytr = self._likelihood(C, ytr, classes, resolved, pretrained)
         generator = torch.Generator().manual_seed(seed)
         kw = dict(batch_size=self.batch_size, verbose=self.verbose)
-        validation = None
+        y_full = ytr if train_idx is None else y_enc  # encoded targets of every row of X
+        yt = self._target_tensor(y_full, device)
+        validation, source = None, None
         if validation_data is not None:
             Xv, yv = self._validation_arrays(validation_data, classes, C)
             validation = FitData(lin, likelihood, Xv, self._target_tensor(yv, device), **kw)
-        elif val_idx is not None:
-            validation = FitData(lin, likelihood, X[val_idx],
-                                 self._target_tensor(y_enc[val_idx], device), **kw)
-        data = FitData(lin, likelihood, Xtr, self._target_tensor(ytr, device),
-                       generator=generator, validation=validation, **kw)
+            source = "validation_data"
+        else:
+            if val_idx is not None:
+                source = "rows held out from training the network"
+            elif pretrained:
+                rows = skorch_validation_rows(resolved.net, X, y_full, self._task,
+                                              _module_dtype(resolved.module))
+                if rows is not None:
+                    (train_idx, val_idx), source = rows, "the skorch net's own validation split"
+            if val_idx is not None:
+                validation = FitData(lin, likelihood, X, yt, index=val_idx, **kw)
+        data = FitData(lin, likelihood, X, yt, generator=generator, validation=validation,
+                       index=train_idx, **kw)
         posterior = self._make_posterior(data).fit(data)
         # -- success: publish the fitted state ------------------------------------
         self.net_ = resolved.net
@@ -161,6 +172,7 @@ class _LaplaceBase(BaseEstimator):
         self.prior_variance_ = float(posterior.prior_variance)
         self.hyper_strategy_ = posterior.hyper_strategy
         self.hyper_trace_ = posterior.hyper_trace
+        self.validation_source_ = source
         self._predict_seed = seed
         if classes is not None:
             self.classes_ = classes

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._hyper import Evidence, Fixed, ValidationGrid, glm_log_evidence
+from ._hyper import Evidence, Fixed, ValidationGrid, WeightNorm, glm_log_evidence
 from ._protocol import FitData, LatentPredictive, Posterior
 from ._utils import safe_cholesky, safe_eigh
 
@@ -149,9 +149,11 @@ class GLMPosterior(Posterior):
     prior_variance : float or "auto", default="auto"
     noise_variance : float, "auto" or None, default=None
         Regression noise (``None`` for classification).
-    hyper : {"auto", "evidence", "validation"}, default="auto"
+    hyper : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
         Strategy for ``"auto"`` values: ``"auto"`` uses ``validation`` when the data
-        carries a validation set and ``evidence`` otherwise.
+        carries a validation set and ``fallback`` otherwise.
+    fallback : {"evidence", "weight_norm"}, default="evidence"
+        The strategy without validation data.
     validation_grid : ValidationGrid, optional
         The grid of the ``validation`` strategy.
     early_stopping : bool, default=False
@@ -172,7 +174,8 @@ class GLMPosterior(Posterior):
 
     def __init__(self, features, prior_variance="auto", noise_variance=None, hyper="auto",
                  validation_grid=None, early_stopping=False, search_freq=1000,
-                 n_iter_no_change=5, residual_correction=False, label="LLA"):
+                 n_iter_no_change=5, residual_correction=False, label="LLA",
+                 fallback="evidence"):
         self.features = features
         self.prior_variance = prior_variance
         self.noise_variance = noise_variance
@@ -183,6 +186,7 @@ class GLMPosterior(Posterior):
         self.n_iter_no_change = n_iter_no_change
         self.residual_correction = residual_correction
         self.label = label
+        self.fallback = fallback
 
     # ---------------------------------------------------------------- pieces
     def _phi_lam(self, lik, g, phi):
@@ -268,9 +272,10 @@ class GLMPosterior(Posterior):
             return "fixed"
         hyper = self.hyper
         if hyper == "auto":
-            hyper = "validation" if data.validation is not None else "evidence"
+            hyper = "validation" if data.validation is not None else self.fallback
         if hyper == "validation" and data.validation is None:
-            raise ValueError("the validation strategy needs validation data")
+            raise ValueError("hyper_strategy='validation' needs held-out data: pass "
+                             "validation_data to fit")
         return hyper
 
     def fit(self, data: FitData) -> GLMPosterior:
@@ -354,6 +359,9 @@ class GLMPosterior(Posterior):
         if strategy == "fixed":
             return Fixed().select(self.prior_variance, s2), e, T
         feats = self.features
+        if strategy == "weight_norm":
+            return WeightNorm().select(self.prior_variance, s2, theta_sq_norm=feats.theta_sq_norm,
+                                       n_params=feats.dim + feats.n_outside), e, T
         if strategy == "evidence":
             res = Evidence().select(
                 self.prior_variance, s2, eigvals=e.cpu().numpy(),

@@ -16,6 +16,7 @@ a private deep copy (see :class:`sklearn_lla._linearize.LinearizedNet`).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +26,14 @@ from torch import nn
 
 from ._utils import seeded
 
-__all__ = ["DefaultMLP", "ResolvedNet", "resolve_net", "is_pretrained", "make_default_net"]
+__all__ = [
+    "DefaultMLP",
+    "ResolvedNet",
+    "resolve_net",
+    "is_pretrained",
+    "make_default_net",
+    "skorch_validation_rows",
+]
 
 try:  # sklearn >= 1.6
     from sklearn.frozen import FrozenEstimator
@@ -104,7 +112,7 @@ class DefaultMLP(nn.Module):
         self.layers = nn.Sequential(*layers)
 
     def forward(self, x):
-        """Outputs on the original target scale.
+        """Map inputs to outputs on the original target scale.
 
         Parameters
         ----------
@@ -274,3 +282,74 @@ def resolve_net(net, task: str, X: np.ndarray, y: np.ndarray, n_outputs: int, se
         skorch_net.partial_fit(X_fit, y_fit)
     transform = _classifier_transform(skorch_net) if task == "classification" else "identity"
     return ResolvedNet(skorch_net.module_, skorch_net, transform, None)
+
+
+def skorch_validation_rows(net, X, y, task, module_dtype):
+    """The rows of ``(X, y)`` a fitted skorch net held out as its own validation split.
+
+    skorch nets trained the usual way keep part of the training data out of training
+    (``train_split``, by default a deterministic 5-fold split). When ``fit`` is
+    called on the same data, those rows are data the network did not fit: honest
+    validation data. The split is recomputed with the net's own ``train_split`` and
+    accepted only if the net's criterion on the recovered rows reproduces the last
+    ``valid_loss`` of its history (relative tolerance 1e-3); otherwise (another X, a
+    random split, no split) ``None`` is returned.
+
+    Parameters
+    ----------
+    net : skorch.NeuralNet
+        A fitted skorch net.
+    X : ndarray of shape (n_samples, n_features)
+        The inputs given to the estimator's ``fit``.
+    y : ndarray
+        Regression targets (n_samples, C), or class indices (n_samples,).
+    task : {"regression", "classification"}
+    module_dtype : torch.dtype
+        The module's floating dtype.
+
+    Returns
+    -------
+    (train_rows, validation_rows) : tuple of ndarray, or None
+    """
+    if NeuralNet is None or not isinstance(net, NeuralNet) or net.train_split is None:
+        return None
+    try:
+        valid_loss = float(net.history[-1, "valid_loss"])
+    except (KeyError, IndexError, TypeError):
+        return None
+    from skorch.dataset import Dataset
+
+    n = len(X)
+    y_split = np.asarray(y)
+    try:
+        ds_train, ds_valid = net.train_split(Dataset(np.zeros((n, 1)), y_split), y_split)
+        tr = np.asarray(ds_train.indices, dtype=np.int64)
+        va = np.asarray(ds_valid.indices, dtype=np.int64)
+    except Exception:  # a custom split we cannot replay: no recovered rows
+        return None
+    if len(va) == 0 or len(tr) == 0 or len(np.intersect1d(tr, va)) or len(tr) + len(va) != n:
+        return None
+    module = net.module_
+    np_dtype = np.float64 if module_dtype == torch.float64 else np.float32
+    xv = torch.as_tensor(np.array(X[np.sort(va)], dtype=np_dtype))
+    yv = y_split[np.sort(va)]
+    mod = copy.deepcopy(module).eval()
+    with torch.no_grad():
+        out = mod(xv)
+        candidates = []
+        if task == "classification":
+            binary = NeuralNetBinaryClassifier is not None and isinstance(
+                net, NeuralNetBinaryClassifier)
+            candidates.append(torch.as_tensor(yv, dtype=out.dtype if binary else torch.long))
+        else:
+            candidates.append(torch.as_tensor(yv, dtype=out.dtype))
+            if yv.ndim == 2 and yv.shape[1] == 1:
+                candidates.append(torch.as_tensor(yv[:, 0], dtype=out.dtype))
+        for yt in candidates:
+            try:
+                loss = float(net.get_loss(out, yt, X=xv, training=False))
+            except Exception:  # shapes the criterion rejects: not the trained layout
+                continue
+            if np.isfinite(loss) and abs(loss - valid_loss) <= 1e-3 * max(abs(valid_loss), 1e-6):
+                return np.sort(tr), np.sort(va)
+    return None

@@ -68,6 +68,9 @@ class FitData:
         Held-out data the network did not fit, if any.
     verbose : int
         ``>= 1`` for progress bars.
+    index : array of int or None
+        Rows of ``X`` (and ``y``) that make up this stream; ``None`` means all. Lets
+        a hold-out split share ``X`` without copying it.
 
     Attributes
     ----------
@@ -79,7 +82,7 @@ class FitData:
     """
 
     def __init__(self, lin, likelihood, X, y, *, batch_size=256, generator=None,
-                 validation=None, verbose=0):
+                 validation=None, verbose=0, index=None):
         self.lin = lin
         self.likelihood = likelihood
         self.X = X
@@ -88,10 +91,11 @@ class FitData:
         self.generator = generator if generator is not None else torch.Generator()
         self.validation = validation
         self.verbose = int(verbose)
+        self.index = None if index is None else np.asarray(index, dtype=np.int64)
 
     @property
     def n_samples(self) -> int:
-        return int(self.X.shape[0])
+        return int(self.X.shape[0] if self.index is None else len(self.index))
 
     @property
     def n_outputs(self) -> int:
@@ -106,15 +110,16 @@ class FitData:
         return self.lin.dtype
 
     def rows(self, idx) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and targets of rows ``idx`` (slice or index array)."""
+        """Inputs and targets of rows ``idx`` (slice or index array) of this stream."""
+        if self.index is not None:
+            idx = self.index[idx]
         if not isinstance(idx, slice):
             idx = np.asarray(idx)
             order = np.argsort(idx, kind="stable")
             x = to_batch(self.X, idx[order], self.dtype, self.device)
             inv = torch.from_numpy(np.argsort(order, kind="stable")).to(self.device)
             x = x[inv]
-            yi = torch.from_numpy(idx).to(self.y.device)
-            return x, self.y[yi]
+            return x, self.y[torch.from_numpy(idx).to(self.y.device)]
         return to_batch(self.X, idx, self.dtype, self.device), self.y[idx]
 
     def batches(self, batch_size: int | None = None, order=None) -> Iterator:

@@ -180,7 +180,8 @@ class _ELLAMixin:
         if self.early_stopping and data.validation is None:
             data.validation = _carve_validation(data, self.validation_fraction)
         return GLMPosterior(NystromFeatures(self.n_nystrom, self.n_components),
-                            self.prior_variance, noise, early_stopping=self.early_stopping,
+                            self.prior_variance, noise, hyper=self.hyper_strategy,
+                            early_stopping=self.early_stopping,
                             search_freq=self.search_freq, n_iter_no_change=self.n_iter_no_change,
                             residual_correction=self.residual_correction, label="ELLA")
 
@@ -198,10 +199,10 @@ def _carve_validation(data, fraction):
     N = data.n_samples
     n_val = min(max(1, int(round(fraction * N))), N - 1)
     perm = torch.randperm(N, generator=data.generator).numpy()
-    val, tr = np.sort(perm[:n_val]), np.sort(perm[n_val:])
-    ytr, yval = data.y[torch.from_numpy(tr)], data.y[torch.from_numpy(val)]
-    hold = FitData(data.lin, data.likelihood, data.X[val], yval, batch_size=data.batch_size)
-    data.X, data.y = data.X[tr], ytr
+    rows = np.arange(N) if data.index is None else data.index
+    hold = FitData(data.lin, data.likelihood, data.X, data.y, batch_size=data.batch_size,
+                   index=rows[np.sort(perm[:n_val])])
+    data.index = rows[np.sort(perm[n_val:])]
     return hold
 
 
@@ -226,6 +227,13 @@ class ELLARegressor(_ELLAMixin, LaplaceRegressorMixin):
         available, otherwise the Laplace evidence of the subspace model.
     noise_variance : float or "auto", default="auto"
         ``s2``, chosen jointly with ``prior_variance``.
+    hyper_strategy : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
+        How ``"auto"`` variances are chosen: ``"validation"`` (validation NLL on
+        held-out rows the network did not fit), ``"evidence"`` (Laplace marginal
+        likelihood) or ``"weight_norm"`` (``||theta||^2 / P``). ``"auto"`` uses
+        ``"validation"`` when held-out rows exist (``validation_data``, rows held out
+        from training a network in ``fit``, or a skorch net's own validation split)
+        and the evidence otherwise.
     early_stopping : bool, default=False
         Stream the training data in random order, evaluate the validation NLL every
         ``search_freq`` points with prior term ``(n_seen / N) I / s0^2`` and keep the
@@ -305,7 +313,8 @@ class ELLARegressor(_ELLAMixin, LaplaceRegressorMixin):
     _parameter_constraints = {**REGRESSOR_CONSTRAINTS, **_ELLAMixin._ella_constraints}
 
     def __init__(self, net=None, *, n_nystrom=2000, n_components="auto", prior_variance="auto",
-                 noise_variance="auto", early_stopping=False, validation_fraction=0.1,
+                 noise_variance="auto", hyper_strategy="auto", early_stopping=False,
+                 validation_fraction=0.1,
                  search_freq=1000, n_iter_no_change=5, residual_correction=False,
                  trainable_only=True, device="auto", batch_size=256, random_state=None,
                  verbose=0):
@@ -314,6 +323,7 @@ class ELLARegressor(_ELLAMixin, LaplaceRegressorMixin):
         self.n_components = n_components
         self.prior_variance = prior_variance
         self.noise_variance = noise_variance
+        self.hyper_strategy = hyper_strategy
         self.early_stopping = early_stopping
         self.validation_fraction = validation_fraction
         self.search_freq = search_freq
@@ -342,6 +352,13 @@ class ELLAClassifier(_ELLAMixin, LaplaceClassifierMixin):
     prior_variance : float or "auto", default="auto"
         ``s0^2``. ``"auto"``: validation NLL when validation data is available,
         otherwise the Laplace evidence of the subspace model.
+    hyper_strategy : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
+        How an ``"auto"`` prior variance is chosen: ``"validation"`` (validation NLL on
+        held-out rows the network did not fit), ``"evidence"`` (Laplace marginal
+        likelihood) or ``"weight_norm"`` (``||theta||^2 / P``). ``"auto"`` uses
+        ``"validation"`` when held-out rows exist (``validation_data``, rows held out
+        from training a network in ``fit``, or a skorch net's own validation split)
+        and the evidence otherwise.
     early_stopping : bool, default=False
         Early stopping of the training stream on validation NLL.
     validation_fraction : float, default=0.1
@@ -420,7 +437,8 @@ class ELLAClassifier(_ELLAMixin, LaplaceClassifierMixin):
     _parameter_constraints = {**CLASSIFIER_CONSTRAINTS, **_ELLAMixin._ella_constraints}
 
     def __init__(self, net=None, *, n_nystrom=2000, n_components="auto", prior_variance="auto",
-                 early_stopping=False, validation_fraction=0.1, search_freq=1000,
+                 hyper_strategy="auto", early_stopping=False, validation_fraction=0.1,
+                 search_freq=1000,
                  n_iter_no_change=5, residual_correction=False, link_approx="probit",
                  n_samples_predict=512, classes=None, trainable_only=True, device="auto",
                  batch_size=256, random_state=None, verbose=0):
@@ -428,6 +446,7 @@ class ELLAClassifier(_ELLAMixin, LaplaceClassifierMixin):
         self.n_nystrom = n_nystrom
         self.n_components = n_components
         self.prior_variance = prior_variance
+        self.hyper_strategy = hyper_strategy
         self.early_stopping = early_stopping
         self.validation_fraction = validation_fraction
         self.search_freq = search_freq

@@ -33,7 +33,7 @@ from ._base import (
     LaplaceRegressorMixin,
 )
 from ._glm import GLMPosterior, JacobianFeatures, _check_finite_outputs
-from ._hyper import Evidence, Fixed, ValidationGrid
+from ._hyper import Evidence, Fixed, ValidationGrid, WeightNorm
 from ._protocol import LatentPredictive, Posterior
 from ._utils import cholesky_inplace, safe_eigh
 
@@ -72,10 +72,12 @@ class FunctionSpacePosterior(Posterior):
     fitted_attributes = ("prior_variance", "likelihood", "hyper_strategy", "hyper_trace",
                          "log_evidence")
 
-    def __init__(self, prior_variance="auto", noise_variance=None, hyper="auto"):
+    def __init__(self, prior_variance="auto", noise_variance=None, hyper="auto",
+                 fallback="evidence"):
         self.prior_variance = prior_variance
         self.noise_variance = noise_variance
         self.hyper = hyper
+        self.fallback = fallback
 
     def _sandwich_(self, K, A):
         """``K <- blockdiag(A)^T K blockdiag(A)`` in place (batched over points)."""
@@ -91,8 +93,7 @@ class FunctionSpacePosterior(Posterior):
         """Form ``W = A^T K A``, choose hyperparameters and factorise in place."""
         lin, lik = data.lin, data.likelihood
         N, C = data.n_samples, data.n_outputs
-        self.X_ = data.rows(slice(0, N))[0]
-        y = data.y
+        self.X_, y = data.rows(slice(0, N))
         f = torch.cat([lin.forward(x).double() for x, _ in data.batches()])
         _check_finite_outputs(f, "training rows")
         self.lin = lin
@@ -113,11 +114,18 @@ class FunctionSpacePosterior(Posterior):
         if not auto:
             strategy = "fixed"
         elif strategy == "auto":
-            strategy = "validation" if data.validation is not None else "evidence"
+            strategy = "validation" if data.validation is not None else self.fallback
+        if strategy == "validation" and data.validation is None:
+            raise ValueError("hyper_strategy='validation' needs held-out data: pass "
+                             "validation_data to fit")
         s2 = self.noise_variance if regression else None
         self._Q = None
         if strategy == "fixed":
             res = Fixed().select(self.prior_variance, s2)
+            e = None
+        elif strategy == "weight_norm":
+            res = WeightNorm().select(self.prior_variance, s2, theta_sq_norm=theta_sq,
+                                      n_params=lin.n_params)
             e = None
         elif strategy == "evidence":
             e = torch.linalg.eigvalsh(W).clamp_min(0)  # a transient copy of W
@@ -242,10 +250,16 @@ class _LLAMixin:
         regression = data.likelihood.task == "regression"
         noise = self.noise_variance if regression else None
         space = _choose_space(self.space, data.lin.n_params, data.n_samples * data.n_outputs)
+        # without held-out data: the evidence, except for full-network classification
+        # where it was measured to wreck calibration (docs/calibration.md)
+        full_clf = not regression and self.subset_of_weights == "all"
+        fallback = "weight_norm" if full_clf else "evidence"
         if space == "function":
-            post = FunctionSpacePosterior(self.prior_variance, noise)
+            post = FunctionSpacePosterior(self.prior_variance, noise, self.hyper_strategy,
+                                          fallback=fallback)
         else:
-            post = GLMPosterior(JacobianFeatures(), self.prior_variance, noise)
+            post = GLMPosterior(JacobianFeatures(), self.prior_variance, noise,
+                                hyper=self.hyper_strategy, fallback=fallback)
         post.space = space
         return post
 
@@ -276,6 +290,13 @@ class LLARegressor(_LLAMixin, LaplaceRegressorMixin):
     noise_variance : float or "auto", default="auto"
         ``s2`` of the Gaussian likelihood, chosen jointly with ``prior_variance``; one
         variance shared by all targets.
+    hyper_strategy : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
+        How ``"auto"`` variances are chosen: ``"validation"`` (validation NLL on
+        held-out rows the network did not fit), ``"evidence"`` (Laplace marginal
+        likelihood) or ``"weight_norm"`` (``||theta||^2 / P``). ``"auto"`` uses
+        ``"validation"`` when held-out rows exist (``validation_data``, rows held out
+        from training a network in ``fit``, or a skorch net's own validation split)
+        and the evidence otherwise.
     space : {"auto", "parameter", "function"}, default="auto"
         Where to form the dense posterior: ``P x P`` (parameter) or ``NC x NC``
         (function). ``"auto"`` takes the smaller.
@@ -349,12 +370,14 @@ class LLARegressor(_LLAMixin, LaplaceRegressorMixin):
 
     _parameter_constraints = {**REGRESSOR_CONSTRAINTS, **_LLAMixin._lla_constraints}
 
-    def __init__(self, net=None, *, prior_variance="auto", noise_variance="auto", space="auto",
-                 subset_of_weights="all", validation_fraction=0.1, trainable_only=True,
-                 device="auto", batch_size=256, random_state=None, verbose=0):
+    def __init__(self, net=None, *, prior_variance="auto", noise_variance="auto",
+                 hyper_strategy="auto", space="auto", subset_of_weights="all",
+                 validation_fraction=0.1, trainable_only=True, device="auto", batch_size=256,
+                 random_state=None, verbose=0):
         self.net = net
         self.prior_variance = prior_variance
         self.noise_variance = noise_variance
+        self.hyper_strategy = hyper_strategy
         self.space = space
         self.subset_of_weights = subset_of_weights
         self.validation_fraction = validation_fraction
@@ -380,6 +403,15 @@ class LLAClassifier(_LLAMixin, LaplaceClassifierMixin):
     prior_variance : float or "auto", default="auto"
         ``s0^2`` of the isotropic Gaussian prior. ``"auto"``: validation NLL when
         validation data is available, otherwise the Laplace log marginal likelihood.
+    hyper_strategy : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
+        How an ``"auto"`` prior variance is chosen: ``"validation"`` (validation NLL
+        on held-out rows the network did not fit), ``"evidence"`` (Laplace marginal
+        likelihood) or ``"weight_norm"`` (``||theta||^2 / P``). ``"auto"`` uses
+        ``"validation"`` when held-out rows exist (``validation_data``, rows held out
+        from training a network in ``fit``, or a skorch net's own validation split),
+        otherwise the evidence, except with ``subset_of_weights="all"``, where the
+        full-network evidence was measured to wreck calibration and
+        ``"weight_norm"`` is used.
     space : {"auto", "parameter", "function"}, default="auto"
         Where to form the dense posterior (``"auto"`` takes the smaller).
     subset_of_weights : {"all", "last_layer"}, default="all"
@@ -454,12 +486,13 @@ class LLAClassifier(_LLAMixin, LaplaceClassifierMixin):
 
     _parameter_constraints = {**CLASSIFIER_CONSTRAINTS, **_LLAMixin._lla_constraints}
 
-    def __init__(self, net=None, *, prior_variance="auto", space="auto",
+    def __init__(self, net=None, *, prior_variance="auto", hyper_strategy="auto", space="auto",
                  subset_of_weights="all", link_approx="probit", n_samples_predict=512,
                  classes=None, validation_fraction=0.1, trainable_only=True, device="auto",
                  batch_size=256, random_state=None, verbose=0):
         self.net = net
         self.prior_variance = prior_variance
+        self.hyper_strategy = hyper_strategy
         self.space = space
         self.subset_of_weights = subset_of_weights
         self.link_approx = link_approx

@@ -325,5 +325,6 @@ def test_broken_networks(entry, reg_data, reg_net):
 def test_verbose_accepts_bool(entry, case):
     X, y, Xt, net = case
     est = entry.make(net, device="cpu", verbose=True, random_state=0).fit(X, y)
-    assert est.hyper_strategy_ in ("evidence", "validation", "fixed", "em", "variational")
+    assert est.hyper_strategy_ in ("evidence", "validation", "weight_norm", "fixed", "em",
+                                   "variational")
     assert est.jacobian_backend_ in ("structured", "functorch")

@@ -369,7 +369,9 @@ def test_joint_auto_matches_grid_regression(reg_data, reg_net, dense_ref):
 
 
 def test_prior_variance_auto_matches_grid_classification(clf_data, clf_net, dense_ref):
-    est = LLAClassifier(clf_net, device="cpu").fit(clf_data.X, clf_data.y)
+    est = LLAClassifier(clf_net, hyper_strategy="evidence", device="cpu").fit(clf_data.X,
+                                                                              clf_data.y)
+    assert est.hyper_strategy_ == "evidence"
     ref = dense_ref.reference(clf_net.module_, clf_data.X, clf_data.y, None,
                               "classification", 1.0)
 
@@ -500,3 +502,20 @@ def test_link_approximations(clf_data, clf_net):
 def test_bad_link_approx(clf_data, clf_net):
     with pytest.raises(ValueError, match="link_approx"):
         _clf(clf_net, link_approx="laplace").fit(clf_data.X, clf_data.y)
+
+
+def test_classifier_auto_without_held_out_rows_uses_the_weight_norm(clf_data, clf_net):
+    # full-network evidence wrecks the calibration of nets that fit their training
+    # data (docs/calibration.md): without held-out rows the prior is ||theta||^2 / P
+    est = LLAClassifier(clf_net, device="cpu").fit(clf_data.X, clf_data.y)
+    assert est.hyper_strategy_ == "weight_norm" and est.validation_source_ is None
+    theta = np.concatenate([p.detach().numpy().ravel() for p in clf_net.module_.parameters()])
+    assert est.prior_variance_ == pytest.approx(theta @ theta / theta.size, rel=1e-12)
+    # with held-out rows: the validation grid
+    est = LLAClassifier(clf_net, device="cpu").fit(
+        clf_data.X, clf_data.y, validation_data=(clf_data.X_test, clf_data.y_test))
+    assert est.hyper_strategy_ == "validation" and est.validation_source_ == "validation_data"
+    with pytest.raises(ValueError, match="validation_data"):
+        LLAClassifier(clf_net, hyper_strategy="validation", device="cpu").fit(clf_data.X,
+                                                                             clf_data.y)
+
