@@ -17,6 +17,7 @@ a private deep copy (see :class:`sklearn_lla._linearize.LinearizedNet`).
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -347,7 +348,9 @@ def skorch_validation_rows(net, X, y, task, module_dtype):
                 candidates.append(torch.as_tensor(yv[:, 0], dtype=out.dtype))
         for yt in candidates:
             try:
-                loss = float(net.get_loss(out, yt, X=xv, training=False))
+                with warnings.catch_warnings():  # broadcasting warnings of a wrong layout
+                    warnings.simplefilter("ignore")
+                    loss = float(net.get_loss(out, yt, X=xv, training=False))
             except Exception:  # shapes the criterion rejects: not the trained layout
                 continue
             if np.isfinite(loss) and abs(loss - valid_loss) <= 1e-3 * max(abs(valid_loss), 1e-6):

@@ -505,3 +505,52 @@ def test_continuous_y_for_classifier(clf_data, clf_net):
 def test_too_few_samples(reg_data, reg_net):
     with pytest.raises(ValueError, match="sample"):
         LLARegressor(reg_net, device="cpu").fit(reg_data.X[:1], reg_data.y[:1])
+
+
+# ---------------------------------------------------------------------------------
+# Held-out rows: a skorch net's own validation split, verified
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task", ["regression", "classification"])
+def test_skorch_validation_split_is_recovered_and_verified(task, reg_data, clf_data):
+    from skorch.dataset import ValidSplit
+
+    if task == "regression":
+        X, y = reg_data.X, reg_data.y
+        net = make_skorch_regressor(3, 1, (16,), max_epochs=30, train_split=ValidSplit(5))
+        fit_y = y.reshape(-1, 1)
+        Est = LLARegressor
+    else:
+        X, y = clf_data.X, clf_data.y
+        net = make_skorch_classifier(2, 3, (16,), max_epochs=30,
+                                     train_split=ValidSplit(5, stratified=True))
+        fit_y = y
+        Est = LLAClassifier
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        net.fit(X, fit_y)
+    est = Est(net, device="cpu").fit(X, y)
+    assert est.validation_source_ == "the skorch net's own validation split"
+    assert est.hyper_strategy_ == "validation"
+    # the held-out rows are exactly skorch's: the first fold (no shuffling)
+    n_val = len(X) // 5
+    post = est.posterior_
+    n_used = len(post.X_) if hasattr(post, "X_") else post.n_seen
+    assert n_used == len(X) - n_val
+    # other data than the net was trained on: the check fails, nothing is recovered
+    est2 = Est(net, device="cpu").fit(X[::-1].copy(), y[::-1].copy())
+    assert est2.validation_source_ is None
+    # a net trained without a split: nothing to recover
+    plain = (make_skorch_regressor(3, 1, (16,), max_epochs=5) if task == "regression"
+             else make_skorch_classifier(2, 3, (16,), max_epochs=5))
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        plain.fit(X, fit_y)
+    assert Est(plain, device="cpu").fit(X, y).validation_source_ is None
+
+
+def test_net_trained_in_fit_keeps_its_holdout(reg_data):
+    est = LLARegressor(device="cpu", random_state=0).fit(reg_data.X, reg_data.y)
+    assert est.validation_source_ == "rows held out from training the network"
+    assert est.hyper_strategy_ == "validation"
