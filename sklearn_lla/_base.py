@@ -29,7 +29,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from ._likelihoods import Bernoulli, Categorical, Gaussian, point_normals, row_keys
 from ._linearize import LinearizedNet
 from ._net import is_pretrained, resolve_net, skorch_validation_rows
-from ._protocol import FitData, to_batch
+from ._protocol import FitData, holdout_rows, to_batch
 from ._utils import resolve_device, safe_cholesky, torch_seed
 
 __all__ = ["LaplaceRegressorMixin", "LaplaceClassifierMixin"]
@@ -112,9 +112,7 @@ class _LaplaceBase(BaseEstimator):
         """Row indices (train, validation) for a hold-out, or ``(None, None)``."""
         if n < _MIN_ROWS_FOR_HOLDOUT:
             return None, None
-        n_val = max(1, int(round(self.validation_fraction * n)))
-        perm = np.random.RandomState(seed % (2**32 - 1)).permutation(n)
-        return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+        return holdout_rows(n, self.validation_fraction, torch.Generator().manual_seed(seed + 1))
 
     def _fit_inner(self, X, y, validation_data, device):
         X, y = self._validate_xy(X, y)
@@ -166,6 +164,7 @@ class _LaplaceBase(BaseEstimator):
         self.net_ = resolved.net
         self.linearized_net_ = lin
         self.jacobian_backend_ = lin.backend
+        self.jacobian_backend_reason_ = lin.backend_reason
         self.n_outputs_ = C
         self.posterior_ = posterior
         self.likelihood_ = posterior.likelihood

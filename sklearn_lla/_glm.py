@@ -315,11 +315,14 @@ class GLMPosterior(Posterior):
                 bar.update(g.shape[0])
             if self.early_stopping and (n_seen >= next_check or n_seen == N):
                 next_check += self.search_freq
-                res = self._select(data, G, "validation", n_seen / N, fit_stat, n_seen,
-                                   warn=False)
-                score = res[0].trace["best_score"]
+                try:
+                    res = self._select(data, G, "validation", n_seen / N, fit_stat, n_seen,
+                                       warn=False)
+                    score = res[0].trace["best_score"]
+                except FloatingPointError:  # no finite candidate at this check
+                    score = np.inf
                 self.history.append((n_seen, score))
-                if best is None or score < best[0]:
+                if np.isfinite(score) and (best is None or score < best[0]):
                     best = (score, G.clone(), n_seen, fit_stat)
                     bad = 0
                 else:
@@ -329,6 +332,10 @@ class GLMPosterior(Posterior):
         if bar is not None:
             bar.close()
         if self.early_stopping:
+            if best is None:
+                raise FloatingPointError(
+                    "early stopping: the validation NLL was not finite at any check; check "
+                    "the validation data and the network's outputs on it")
             _, G, n_seen, fit_stat = best
         prior_scale = n_seen / N
         result, e, T = self._select(data, G, "validation" if self.early_stopping else strategy,

@@ -24,7 +24,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["FitData", "LatentPredictive", "Posterior", "to_batch"]
+__all__ = ["FitData", "LatentPredictive", "Posterior", "holdout_rows", "to_batch"]
+
+
+def holdout_rows(n: int, fraction: float, generator: torch.Generator):
+    """Split ``range(n)`` into sorted (train, validation) rows, ``fraction`` held out.
+
+    At least one row lands on each side; the permutation comes from ``generator``.
+    """
+    n_val = min(max(1, int(round(fraction * n))), n - 1)
+    perm = torch.randperm(n, generator=generator).numpy()
+    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
 
 
 def to_batch(X, sl, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

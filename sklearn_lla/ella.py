@@ -194,15 +194,13 @@ class _ELLAMixin:
 
 def _carve_validation(data, fraction):
     """Hold out rows of ``data`` (in place) for early stopping: returns the hold-out."""
-    from ._protocol import FitData
+    from ._protocol import FitData, holdout_rows
 
-    N = data.n_samples
-    n_val = min(max(1, int(round(fraction * N))), N - 1)
-    perm = torch.randperm(N, generator=data.generator).numpy()
-    rows = np.arange(N) if data.index is None else data.index
+    rows = np.arange(data.n_samples) if data.index is None else data.index
+    tr, val = holdout_rows(data.n_samples, fraction, data.generator)
     hold = FitData(data.lin, data.likelihood, data.X, data.y, batch_size=data.batch_size,
-                   index=rows[np.sort(perm[:n_val])])
-    data.index = rows[np.sort(perm[n_val:])]
+                   index=rows[val])
+    data.index = rows[tr]
     return hold
 
 
@@ -282,6 +280,11 @@ class ELLARegressor(_ELLAMixin, LaplaceRegressorMixin):
         The frozen functional view of the network.
     jacobian_backend_ : str
         ``"structured"`` or ``"functorch"``.
+    jacobian_backend_reason_ : str
+        Why that backend was chosen.
+    validation_source_ : str or None
+        Where the held-out rows came from (``"validation_data"``, rows held out from
+        training the network, the skorch net's own validation split), or ``None``.
     likelihood_ : Gaussian
         The fitted likelihood.
     posterior_ : GLMPosterior
@@ -409,6 +412,11 @@ class ELLAClassifier(_ELLAMixin, LaplaceClassifierMixin):
         The frozen functional view of the network.
     jacobian_backend_ : str
         ``"structured"`` or ``"functorch"``.
+    jacobian_backend_reason_ : str
+        Why that backend was chosen.
+    validation_source_ : str or None
+        Where the held-out rows came from (``"validation_data"``, rows held out from
+        training the network, the skorch net's own validation split), or ``None``.
     likelihood_ : Categorical or Bernoulli
         The likelihood.
     posterior_ : GLMPosterior

@@ -340,6 +340,11 @@ class LLARegressor(_LLAMixin, LaplaceRegressorMixin):
         The frozen functional view of the network.
     jacobian_backend_ : str
         ``"structured"`` or ``"functorch"``.
+    jacobian_backend_reason_ : str
+        Why that backend was chosen.
+    validation_source_ : str or None
+        Where the held-out rows came from (``"validation_data"``, rows held out from
+        training the network, the skorch net's own validation split), or ``None``.
     likelihood_ : Gaussian
         The fitted likelihood.
     posterior_ : Posterior
@@ -459,6 +464,11 @@ class LLAClassifier(_LLAMixin, LaplaceClassifierMixin):
         The frozen functional view of the network.
     jacobian_backend_ : str
         ``"structured"`` or ``"functorch"``.
+    jacobian_backend_reason_ : str
+        Why that backend was chosen.
+    validation_source_ : str or None
+        Where the held-out rows came from (``"validation_data"``, rows held out from
+        training the network, the skorch net's own validation split), or ``None``.
     likelihood_ : Categorical or Bernoulli
         The likelihood.
     posterior_ : Posterior
