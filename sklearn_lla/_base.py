@@ -218,6 +218,19 @@ class _LaplaceBase(BaseEstimator):
         if bar is not None:
             bar.close()
 
+    def _output_batches(self, X):
+        """Yield ``(slice, network outputs)`` per batch (float64 numpy)."""
+        lin = self.linearized_net_
+        for start in range(0, len(X), self.batch_size):
+            sl = slice(start, min(start + self.batch_size, len(X)))
+            g = lin.forward(to_batch(X, sl, lin.dtype, lin.device)).double().cpu()
+            if not bool(torch.isfinite(g).all()):
+                raise ValueError(
+                    f"the network produced non-finite outputs (NaN or inf) for rows "
+                    f"{sl.start}..{sl.stop - 1} of X; check the inputs' scale"
+                )
+            yield sl, g.numpy()
+
     def _predict_joint(self, X):
         lin = self.linearized_net_
         x = to_batch(X, slice(0, len(X)), lin.dtype, lin.device)
@@ -363,7 +376,11 @@ class LaplaceRegressorMixin(RegressorMixin, _LaplaceBase):
             return self._shape(mean.numpy()), (per[..., 0] if self._y_1d else per)
         n, C = len(X), self.n_outputs_
         mean = np.empty((n, C))
-        std = np.empty((n, C)) if return_std else None
+        if not return_std:  # the predictive mean is the network's output: one forward
+            for sl, g in self._output_batches(X):
+                mean[sl] = g
+            return self._shape(mean)
+        std = np.empty((n, C))
         for sl, lp in self._predictive_batches(X):
             m, v = self.likelihood_.predict(lp.mean, lp.cov)
             mean[sl] = m.numpy()

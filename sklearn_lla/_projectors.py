@@ -1,0 +1,329 @@
+"""Projectors of subspace Laplace (Faller & Martin): the ``p x s`` matrices ``P``.
+
+Every projector returns the directions as the rows of a float64 ``(s, p)`` tensor
+(``V = P^T``); the posterior itself is the GLM posterior with features ``J(x) V``
+(:class:`sklearn_lla._glm.ProjectionFeatures`), whose prior Gram ``V V^T`` makes the
+result independent of the basis chosen inside ``span(P)``.
+
+* ``lowrank-kfac`` / ``lowrank-diag`` (Algorithm 1): ``Psi_approx`` the KFAC or
+  diagonal-GGN posterior covariance, ``M = J_X' Psi_approx J_X'^T`` over a subset
+  ``X'`` of the training inputs, its top-``s`` eigenvectors ``U_s`` and
+  ``P = Psi_approx J_X'^T U_s`` (orthonormalised: Theorem 1 holds for any
+  reparametrisation ``P Q``);
+* ``optimal`` (Theorem 1): the same with the full GGN posterior covariance
+  ``Psi = (GGN + I / s0^2)^-1``, only for ``p <= MAX_OPTIMAL_PARAMS``;
+* ``subset-magnitude`` / ``subset-diagonal`` / ``subset-swag``: the ``s``
+  coordinates with the largest ``|theta|``, diagonal-GGN posterior variance or SWAG
+  variance (Daxberger et al., 2021).
+
+KFAC comes from ``curvlinops`` (``KFACLinearOperator`` with the exact type-2 GGN
+factors, ``KFACInverseLinearOperator`` with exact damping for ``Psi_approx``). The
+diagonal of the GGN is exact: ``sum_n sum_c (A_n^T J_n)_c^2`` streamed over
+memory-bounded chunks of per-example Jacobians (curvlinops only estimates
+diagonals stochastically).
+
+Memory: ``M`` is ``(n' C) x (n' C)``; ``Psi_approx`` is applied to chunks of
+Jacobian rows, so no ``p x p`` matrix is formed except by ``optimal``.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import torch
+from torch import nn
+
+from ._linearize import LinearizedNet
+from ._utils import safe_cholesky, safe_eigh
+
+__all__ = ["PROJECTORS", "MAX_OPTIMAL_PARAMS", "KFAC", "ggn_diagonal", "full_ggn",
+           "lowrank_directions", "subset_directions", "swag_variances", "float64_view"]
+
+#: The projector names.
+PROJECTORS = ("lowrank-kfac", "lowrank-diag", "subset-magnitude", "subset-diagonal",
+              "subset-swag", "optimal")
+
+#: Largest number of parameters for which ``projector="optimal"`` forms the dense
+#: ``p x p`` posterior covariance.
+MAX_OPTIMAL_PARAMS = 5000
+
+
+class UnsupportedKFAC(ValueError):
+    """The network has linearised parameters outside KFAC's supported layers."""
+
+
+class _Outputs(nn.Module):
+    """``g(x)`` of shape (B, C) from a module (shape fix and output transform)."""
+
+    def __init__(self, module, transform):
+        super().__init__()
+        self.m = module
+        self.transform = transform
+
+    def forward(self, x):
+        out = self.m(x)
+        out = out.reshape(x.shape[0], -1)
+        if self.transform == "log":
+            out = torch.log(out.clamp_min(torch.finfo(out.dtype).tiny))
+        return out
+
+
+def float64_view(lin):
+    """``lin`` itself, or a float64 copy of it (projectors are built in float64)."""
+    if lin.dtype == torch.float64:
+        return lin
+    return LinearizedNet(copy.deepcopy(lin.module).double(), lin.device, lin.output_transform,
+                         structured=lin.structured, param_names=list(lin.names))
+
+
+def _rows(lin, x, lik):
+    """``A^T J(x)`` (B, C, p) float64, unit noise for a Gaussian likelihood."""
+    J = lin.jacobian(x).double()
+    if lik.unit_curvature:
+        return J
+    A = lik.lam_factor(lin.forward(x).double())
+    return torch.einsum("bck,bcp->bkp", A, J)
+
+
+def _chunk(lin, C, batch_size):
+    return max(1, min(batch_size, lin.chunk_size(C)))
+
+
+def ggn_diagonal(lin, data):
+    """Exact diagonal of the GGN (unit noise for a Gaussian likelihood), float64 (p,)."""
+    lik, C = data.likelihood, data.n_outputs
+    d = torch.zeros(lin.n_params, dtype=torch.float64, device=lin.device)
+    for x, _ in data.batches(_chunk(lin, C, data.batch_size)):
+        d += _rows(lin, x, lik).pow(2).sum((0, 1))
+    return d
+
+
+def full_ggn(lin, data):
+    """Dense GGN ``sum_n J_n^T Lam_n J_n`` (unit noise for a Gaussian), float64 (p, p)."""
+    lik, C, p = data.likelihood, data.n_outputs, lin.n_params
+    G = torch.zeros((p, p), dtype=torch.float64, device=lin.device)
+    for x, _ in data.batches(_chunk(lin, C, data.batch_size)):
+        R = _rows(lin, x, lik).reshape(-1, p)
+        G.addmm_(R.T, R)
+    return G
+
+
+class _Batches:
+    """A re-iterable view of the training stream for curvlinops (float64 tensors)."""
+
+    def __init__(self, data, bernoulli):
+        self.data, self.bernoulli = data, bernoulli
+
+    def __iter__(self):
+        for x, y in self.data.batches():
+            x = x.double() if x.is_floating_point() else x
+            if self.bernoulli:
+                y = y.reshape(-1, 1).double()
+            yield x, y
+
+
+class KFAC:
+    """KFAC of the GGN (curvlinops, exact type-2 factors) on a float64 copy of the net.
+
+    ``GGN ~ scale * K`` with ``K`` curvlinops' operator: ``scale = 1 / (2 s2)`` for a
+    Gaussian likelihood (``MSELoss(reduction="sum")`` has Hessian ``2 I``), 1 otherwise.
+
+    Parameters
+    ----------
+    lin : LinearizedNet
+    data : FitData
+    """
+
+    def __init__(self, lin, data):
+        from curvlinops import KFACLinearOperator
+        from curvlinops.kfac import FisherType
+
+        lik = data.likelihood
+        mod = _Outputs(copy.deepcopy(lin.module).double(), lin.output_transform)
+        named = dict(mod.m.named_parameters())
+        params = [named[n] for n in lin.names]
+        for p in params:
+            p.requires_grad_(True)
+        if lik.task == "regression":
+            loss = nn.MSELoss(reduction="sum")
+            self.unit_scale = 0.5
+        elif data.n_outputs == 1:
+            loss = nn.BCEWithLogitsLoss(reduction="sum")
+            self.unit_scale = 1.0
+        else:
+            loss = nn.CrossEntropyLoss(reduction="sum")
+            self.unit_scale = 1.0
+        try:
+            self.mapping = KFACLinearOperator.compute_parameter_mapping(params, mod)
+        except NotImplementedError as exc:
+            raise UnsupportedKFAC(
+                "KFAC (curvlinops) supports only nn.Linear and nn.Conv2d layers, and this "
+                "network has linearised parameters in other layers; use "
+                "projector='lowrank-diag' or a subset projector") from exc
+        self.op = KFACLinearOperator(mod, loss, params, _Batches(data, data.n_outputs == 1
+                                                                and lik.task != "regression"),
+                                     fisher_type=FisherType.TYPE2, num_data=data.n_samples,
+                                     num_per_example_loss_terms=1, check_deterministic=False,
+                                     separate_weight_and_bias=False)
+        self.op.compute_kronecker_factors()
+        self.names = list(lin.names)
+        self.shapes = [named[n].shape for n in lin.names]
+
+    def eigvals(self):
+        """Eigenvalues of the unit-noise KFAC GGN (``p`` of them), float64 numpy."""
+        state = self.op.state_dict()
+        aat, ggt = state["input_covariances"], state["gradient_covariances"]
+        out = []
+        for mod_name, pos in self.mapping.items():
+            eg = torch.linalg.eigvalsh(ggt[mod_name].double()).clamp_min(0)
+            if "weight" in pos:  # weight (and bias, jointly: aaT is augmented by a 1)
+                ea = torch.linalg.eigvalsh(aat[mod_name].double()).clamp_min(0)
+                out.append(torch.outer(eg, ea).reshape(-1))
+            else:
+                out.append(eg)
+        return (torch.cat(out) * self.unit_scale).cpu().numpy()
+
+    def inverse(self, prior_variance, noise_variance=None):
+        """``Psi_approx = (c K + I / s0^2)^-1`` as a map on (p, k) float64 matrices."""
+        from curvlinops import KFACInverseLinearOperator
+
+        c = self.unit_scale / (noise_variance if noise_variance is not None else 1.0)
+        inv = KFACInverseLinearOperator(self.op, damping=1.0 / (prior_variance * c),
+                                        use_exact_damping=True)
+
+        def apply(T):
+            return inv @ T.to(self.op.dtype) / c
+
+        return apply
+
+
+def _top_eigvecs(M, s):
+    lam, U = safe_eigh(0.5 * (M + M.T), "projected covariance J Psi J^T")
+    lam, U = lam.flip(0), U.flip(1)
+    tol = max(float(lam[0]), 0.0) * len(lam) * torch.finfo(torch.float64).eps * 10
+    positive = int((lam > tol).sum())
+    if positive == 0:
+        raise ValueError("J Psi J^T is zero on the subset: the network's Jacobian vanishes")
+    if positive < s:
+        warnings.warn(f"J Psi J^T has only {positive} numerically positive eigenvalues on the "
+                      f"{M.shape[0]} rows of the subset; using subspace_dim={positive} instead "
+                      f"of {s}", RuntimeWarning, stacklevel=4)
+        s = positive
+    return lam[:s], U[:, :s]
+
+
+def lowrank_directions(lin, X, n_outputs, psi, s, batch_size=256):
+    """Algorithm 1: orthonormal rows spanning ``Psi J_X^T U_s``.
+
+    Parameters
+    ----------
+    lin : LinearizedNet
+        The (float64) network.
+    X : Tensor of shape (n, ...)
+        The inputs ``X'``.
+    n_outputs : int
+        ``C``.
+    psi : callable
+        ``T (p, k) -> Psi T (p, k)``, float64.
+    s : int
+        Subspace dimension (reduced to the numerical rank of ``M`` with a warning).
+    batch_size : int, default=256
+        Points per Jacobian chunk (also capped by the Jacobian memory budget).
+
+    Returns
+    -------
+    V : Tensor of shape (s, p)
+        Orthonormal rows, float64.
+    lam : Tensor of shape (s,)
+        The top eigenvalues of ``M = J_X Psi J_X^T``.
+    """
+    C, p, n = n_outputs, lin.n_params, X.shape[0]
+    step = _chunk(lin, C, batch_size)
+    chunks = [slice(i, min(i + step, n)) for i in range(0, n, step)]
+    M = torch.empty((n * C, n * C), dtype=torch.float64, device=lin.device)
+
+    def jac(sl):
+        return lin.jacobian(X[sl]).double().reshape(-1, p)
+
+    for si in chunks:
+        Ji = jac(si)
+        Z = psi(Ji.T)  # (p, b C)
+        for sj in chunks:
+            Jj = Ji if sj == si else jac(sj)
+            M[sj.start * C:sj.stop * C, si.start * C:si.stop * C] = Jj @ Z
+    lam, U = _top_eigvecs(M, s)
+    del M
+    Pm = torch.zeros((p, U.shape[1]), dtype=torch.float64, device=lin.device)
+    for si in chunks:
+        Pm += psi(jac(si).T) @ U[si.start * C:si.stop * C]
+    Q, _ = torch.linalg.qr(Pm)
+    return Q.T.contiguous(), lam
+
+
+def subset_directions(scores, s):
+    """Selection rows of the ``s`` largest ``scores`` (ties: the lower index first)."""
+    p = scores.shape[0]
+    s = min(int(s), p)
+    order = np.argsort(-scores.cpu().numpy(), kind="stable")[:s]
+    V = torch.zeros((s, p), dtype=torch.float64, device=scores.device)
+    V[torch.arange(s), torch.as_tensor(np.sort(order), device=scores.device)] = 1.0
+    return V
+
+
+def swag_variances(lin, data, likelihood, prior_variance, learning_rate, n_steps, generator):
+    """SWAG's diagonal variances from SGD started at the pretrained weights.
+
+    The run works on a private copy of the network's parameters (the pretrained net
+    and ``lin`` are untouched): SGD with a constant learning rate on the mean
+    negative log likelihood of a minibatch plus the prior term
+    ``||theta||^2 / (2 s0^2 N)`` (a Gaussian likelihood's loss is multiplied by its
+    noise variance, i.e. half the mean squared error), collecting the first and
+    second moments of the parameters after every step.
+
+    Returns
+    -------
+    Tensor of shape (p,)
+        ``E[theta^2] - E[theta]^2`` over the iterates, float64.
+    """
+    mod = _Outputs(copy.deepcopy(lin.module), lin.output_transform)
+    named = dict(mod.m.named_parameters())
+    params = [named[n] for n in lin.names]
+    for p in params:
+        p.requires_grad_(True)
+    N = data.n_samples
+    bs = min(data.batch_size, N)
+    scale = likelihood.noise_variance if likelihood.task == "regression" else 1.0
+    opt = torch.optim.SGD(params, lr=learning_rate)
+    m1 = torch.zeros(lin.n_params, dtype=torch.float64, device=lin.device)
+    m2 = torch.zeros_like(m1)
+    perm, pos = None, N
+    with torch.enable_grad():
+        for _ in range(int(n_steps)):
+            if pos + bs > N:
+                perm, pos = torch.randperm(N, generator=generator).numpy(), 0
+            x, y = data.rows(perm[pos:pos + bs])
+            pos += bs
+            f = mod(x)
+            nll = -likelihood.log_prob(f, y).mean() * scale
+            prior = sum(p.pow(2).sum() for p in params) / (2.0 * prior_variance * N) * scale
+            loss = nll + prior
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            flat = torch.cat([p.detach().reshape(-1) for p in params]).double()
+            if not bool(torch.isfinite(flat).all()):
+                raise ValueError("the SWAG run diverged (non-finite weights); lower "
+                                 "swag_learning_rate")
+            m1 += flat
+            m2 += flat * flat
+    m1 /= n_steps
+    return (m2 / n_steps - m1 * m1).clamp_min(0.0)
+
+
+def dense_inverse(H):
+    """Inverse of an SPD matrix by Cholesky (float64)."""
+    L = safe_cholesky(H, "posterior precision")
+    return torch.cholesky_inverse(L)
+

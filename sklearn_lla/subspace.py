@@ -1,0 +1,848 @@
+"""Subspace Laplace (Faller & Martin): linearised Laplace on ``theta = theta_hat + P mu``.
+
+With a ``p x s`` projector ``P`` and the prior ``mu ~ N(0, s0^2 (P^T P)^-1)`` the
+Laplace posterior of ``mu`` is ``N(0, (P^T H P)^-1)`` with ``H`` the *full* GGN
+precision, and the predictive covariance is
+
+``S_P(X) = J_X P (P^T H P)^-1 P^T J_X^T``.
+
+That is the feature-space GLM posterior of :mod:`sklearn_lla._glm` with ``V = P``
+(:class:`~sklearn_lla._glm.ProjectionFeatures`): ``P^T H P`` is accumulated batch
+by batch from the JVPs ``J_n P`` (``sum_n (J_n P)^T Lam_n (J_n P) + P^T P / s0^2``),
+never as a ``p x p`` matrix. The projectors are in :mod:`sklearn_lla._projectors`.
+
+Hyperparameters: ``prior_variance="auto"`` is chosen, as in the paper, by the
+Laplace marginal likelihood of the KFAC approximation of the full network (the
+closed-form evidence over the KFAC eigenvalues, maximised by
+:class:`~sklearn_lla._hyper.Evidence`); it is then held fixed for the projector
+and the subspace posterior. An ``"auto"`` noise variance goes through the GLM
+posterior's strategies (validation NLL with held-out data, otherwise the subspace
+evidence). ``hyper_strategy`` other than ``"auto"`` chooses both variances with
+that GLM strategy on the subspace model instead.
+"""
+
+from __future__ import annotations
+
+from numbers import Integral, Real
+
+import numpy as np
+import torch
+from sklearn.utils._available_if import available_if
+from sklearn.utils._param_validation import Interval, StrOptions
+from sklearn.utils._tags import ClassifierTags, RegressorTags
+
+from ._base import (
+    CLASSIFIER_CONSTRAINTS,
+    REGRESSOR_CONSTRAINTS,
+    LaplaceClassifierMixin,
+    LaplaceRegressorMixin,
+    _LaplaceBase,
+)
+from ._glm import GLMPosterior, ProjectionFeatures, _check_finite_outputs
+from ._hyper import Evidence
+from ._projectors import (
+    KFAC,
+    MAX_OPTIMAL_PARAMS,
+    PROJECTORS,
+    UnsupportedKFAC,
+    dense_inverse,
+    float64_view,
+    full_ggn,
+    ggn_diagonal,
+    lowrank_directions,
+    subset_directions,
+    swag_variances,
+)
+from ._protocol import to_batch
+
+__all__ = ["SubspacePosterior", "SubspaceLaplaceRegressor", "SubspaceLaplaceClassifier",
+           "SubspaceLaplace"]
+
+
+class SubspacePosterior(GLMPosterior):
+    """The GLM posterior on the span of a projector built from the training data.
+
+    Parameters
+    ----------
+    projector : str
+        One of :data:`sklearn_lla._projectors.PROJECTORS`.
+    subspace_dim : int
+        ``s``.
+    prior_variance : float or "auto"
+    noise_variance : float, "auto" or None
+    hyper : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
+        ``"auto"``: an ``"auto"`` prior variance from the KFAC evidence (falls back to
+        the subspace evidence when KFAC does not support the network), an ``"auto"``
+        noise variance by the GLM posterior's ``"auto"``. Otherwise both by that GLM
+        strategy on the subspace model.
+    n_subset : int, default=1000
+        Size of the training subset ``X'`` of the low-rank and optimal projectors.
+    subspace_X : array-like or None, default=None
+        Inputs to use as ``X'`` instead of a random training subset.
+    swag_learning_rate : float, default=1e-2
+    swag_n_steps : int, default=100
+    """
+
+    fitted_attributes = GLMPosterior.fitted_attributes + (
+        "projector_rows", "projector_eigvals", "projector_prior_variance",
+        "projector_noise_variance", "subset_indices")
+
+    def __init__(self, projector, subspace_dim, prior_variance="auto", noise_variance=None,
+                 hyper="auto", n_subset=1000, subspace_X=None, swag_learning_rate=1e-2,
+                 swag_n_steps=100):
+        super().__init__(None, prior_variance, noise_variance, hyper=hyper,
+                         label="subspace Laplace")
+        self.projector = projector
+        self.subspace_dim = subspace_dim
+        self.n_subset = n_subset
+        self.subspace_X = subspace_X
+        self.swag_learning_rate = swag_learning_rate
+        self.swag_n_steps = swag_n_steps
+
+    # ---------------------------------------------------------------- helpers
+    def _fit_statistic(self, lin, data):
+        """Residual sum of squares (regression) or log likelihood, one forward pass."""
+        lik, stat = data.likelihood, 0.0
+        for x, y in data.batches():
+            g = lin.forward(x).double()
+            _check_finite_outputs(g, "training rows")
+            stat += (float(((y - g) ** 2).sum()) if lik.task == "regression"
+                     else float(lik.log_prob(g, y).sum()))
+        return stat
+
+    def _subset_inputs(self, data):
+        lin = data.lin
+        if self.subspace_X is not None:
+            X = np.asarray(self.subspace_X)
+            self.subset_indices = None
+            return to_batch(X, slice(0, len(X)), torch.float64, lin.device)
+        N = data.n_samples
+        if self.n_subset >= N:
+            idx = np.arange(N)
+        else:
+            idx = np.sort(torch.randperm(N, generator=data.generator)[:self.n_subset].numpy())
+        self.subset_indices = idx
+        x, _ = data.rows(idx)
+        return x.double() if x.is_floating_point() else x
+
+    def _hyper_for_projector(self, lin, data, kfac):
+        """Prior (and noise) variances for the projector; fixes an evidence-chosen prior."""
+        lik = data.likelihood
+        regression = lik.task == "regression"
+        P, N, C = lin.n_params, data.n_samples, data.n_outputs
+        theta = lin.flat_params().double()
+        theta_sq = float(theta @ theta)
+        s0, s2 = self.prior_variance, (self.noise_variance if regression else None)
+        self._kfac_result = None
+        if s0 == "auto" and self.hyper == "auto" and kfac is not None:
+            stat = self._fit_statistic(lin, data)
+            res = Evidence().select(s0, s2, eigvals=kfac.eigvals(), theta_sq_norm=theta_sq,
+                                    data_fit=stat, n_obs=N * C, n_params=P)
+            self._kfac_result = res
+            self.prior_variance = res.prior_variance  # fixed for the subspace posterior
+            return res.prior_variance, res.noise_variance
+        s0p = float(s0) if s0 != "auto" else max(theta_sq / max(P, 1), 1e-12)
+        s2p = None
+        if regression:
+            if s2 == "auto":  # the paper: the variance of the training residuals
+                s2p = max(self._fit_statistic(lin, data) / (N * C), 1e-12)
+            else:
+                s2p = float(s2)
+        return s0p, s2p
+
+    def _directions(self, data):
+        lin, lik = data.lin, data.likelihood
+        lin64 = float64_view(lin)
+        name, s = self.projector, int(self.subspace_dim)
+        if name == "optimal" and lin.n_params > MAX_OPTIMAL_PARAMS:
+            raise ValueError(
+                f"projector='optimal' forms the dense p x p posterior covariance and needs "
+                f"p <= {MAX_OPTIMAL_PARAMS}; this network has p = {lin.n_params} linearised "
+                "parameters. Use projector='lowrank-kfac' or 'lowrank-diag'.")
+        kfac = None
+        wants_kfac = self.prior_variance == "auto" and self.hyper == "auto"
+        if name == "lowrank-kfac" or wants_kfac:
+            try:
+                kfac = KFAC(lin64, data)
+            except UnsupportedKFAC:
+                if name == "lowrank-kfac":
+                    raise
+        s0, s2 = self._hyper_for_projector(lin, data, kfac)
+        self.projector_prior_variance, self.projector_noise_variance = s0, s2
+        scale = 1.0 / s2 if s2 is not None else 1.0
+        self.projector_eigvals = None
+        self.subset_indices = getattr(self, "subset_indices", None)
+        if name in ("lowrank-kfac", "lowrank-diag", "optimal"):
+            if name == "lowrank-kfac":
+                psi = kfac.inverse(s0, s2)
+            elif name == "lowrank-diag":
+                var = 1.0 / (ggn_diagonal(lin64, data) * scale + 1.0 / s0)
+
+                def psi(T):
+                    return T * var[:, None]
+            else:
+                H = full_ggn(lin64, data) * scale
+                H.diagonal().add_(1.0 / s0)
+                Sigma = dense_inverse(H)
+                del H
+
+                def psi(T):
+                    return Sigma @ T
+            Xs = self._subset_inputs(data)
+            V, lam = lowrank_directions(lin64, Xs, data.n_outputs, psi, s, data.batch_size)
+            self.projector_eigvals = lam
+            return V
+        if name == "subset-magnitude":
+            scores = lin64.flat_params().abs()
+        elif name == "subset-diagonal":
+            scores = 1.0 / (ggn_diagonal(lin64, data) * scale + 1.0 / s0)
+        else:  # subset-swag
+            lk = lik.with_noise(s2) if s2 is not None else lik
+            scores = swag_variances(lin, data, lk, s0, self.swag_learning_rate,
+                                    self.swag_n_steps, data.generator)
+        return subset_directions(scores, s)
+
+    # ---------------------------------------------------------------- fitting
+    def fit(self, data):
+        """Build the projector, then fit the GLM posterior on ``J(x) P``."""
+        if self.projector not in PROJECTORS:
+            raise ValueError(f"unknown projector {self.projector!r}; expected one of "
+                             f"{PROJECTORS}")
+        V = self._directions(data)  # may fix an evidence-chosen prior variance
+        self.projector_rows = V
+        self.features = ProjectionFeatures(V)
+        super().fit(data)
+        if self._kfac_result is not None:
+            glm = self.hyper_strategy
+            self.hyper_strategy = "evidence" if glm in ("fixed", "evidence") else glm
+            self.hyper_trace = {**self.hyper_trace, "kfac_evidence": self._kfac_result.trace,
+                                "prior_variance_source": "kfac_evidence"}
+        return self
+
+
+# ------------------------------------------------------------------------- estimators
+class _SubspaceMixin:
+    """Subspace Laplace's parameters and posterior, shared by the estimators."""
+
+    _subspace_constraints = {
+        "projector": [StrOptions(set(PROJECTORS))],
+        "subspace_dim": [Interval(Integral, 1, None, closed="left")],
+        "n_subset": [Interval(Integral, 1, None, closed="left")],
+        "subspace_X": ["array-like", None],
+        "swag_learning_rate": [Interval(Real, 0, None, closed="neither")],
+        "swag_n_steps": [Interval(Integral, 1, None, closed="left")],
+    }
+
+    def _make_posterior(self, data):
+        regression = data.likelihood.task == "regression"
+        noise = self.noise_variance if regression else None
+        return SubspacePosterior(self.projector, self.subspace_dim, self.prior_variance, noise,
+                                 hyper=self.hyper_strategy, n_subset=self.n_subset,
+                                 subspace_X=self.subspace_X,
+                                 swag_learning_rate=self.swag_learning_rate,
+                                 swag_n_steps=self.swag_n_steps)
+
+    def _store_fitted(self, posterior):
+        self.subspace_dim_ = int(posterior.features.dim)
+        self.projector_ = posterior.projector_rows
+        self.projector_eigvals_ = (None if posterior.projector_eigvals is None
+                                   else posterior.projector_eigvals.cpu().numpy())
+        self.log_marginal_likelihood_ = posterior.log_evidence
+        super()._store_fitted(posterior)
+
+
+class SubspaceLaplaceRegressor(_SubspaceMixin, LaplaceRegressorMixin):
+    """Subspace Laplace regression: linearised Laplace on ``theta_hat + P mu``.
+
+    The predictive covariance is ``J(x) P (P^T H P)^-1 P^T J(x)^T`` with the full
+    GGN precision ``H`` accumulated batch-wise in the ``s``-dimensional subspace
+    (Faller & Martin). ``Tr S_P(X) <= Tr S(X)``: the subspace predictive never
+    exceeds exact LLA's.
+
+    Parameters
+    ----------
+    net : None, skorch net, FrozenEstimator or torch.nn.Module, default=None
+        The network. ``None`` trains a small tanh MLP (MAP, weight decay) in ``fit``;
+        a fitted skorch net, ``FrozenEstimator(net)`` or an ``nn.Module`` is used as it
+        is and never modified; an unfitted skorch net is trained in ``fit``.
+    projector : {"lowrank-kfac", "lowrank-diag", "subset-magnitude", \
+"subset-diagonal", "subset-swag", "optimal"}, default="lowrank-kfac"
+        How ``P`` is built: Algorithm 1 with a KFAC or diagonal-GGN posterior
+        covariance (``P = Psi_approx J_X'^T U_s``), a subset of the parameters with
+        the largest magnitude, diagonal-GGN posterior variance or SWAG variance, or
+        Theorem 1's optimum with the full posterior covariance (``p <= 5000``).
+    subspace_dim : int, default=100
+        ``s``; the low-rank projectors stop at the numerical rank of
+        ``J_X' Psi J_X'^T`` (with a warning).
+    prior_variance : float or "auto", default="auto"
+        ``s0^2``. ``"auto"``: maximises the Laplace evidence of the KFAC
+        approximation of the full network (the paper's choice; the subspace
+        evidence when KFAC does not support the network, or with another
+        ``hyper_strategy``).
+    noise_variance : float or "auto", default="auto"
+        ``s2``. ``"auto"``: validation NLL when validation data is available,
+        otherwise the subspace Laplace evidence.
+    hyper_strategy : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
+        ``"auto"``: the prior variance by the KFAC evidence and the noise as
+        described above. Otherwise both ``"auto"`` variances by this strategy on the
+        subspace model (the projector is then built with ``||theta||^2 / P`` and the
+        variance of the training residuals).
+    n_subset : int, default=1000
+        Size of the training subset ``X'`` of the low-rank and optimal projectors.
+    subspace_X : array-like of shape (n, n_features) or None, default=None
+        Inputs used as ``X'`` instead of a random training subset (for
+        ``projector="optimal"``, the ``X`` of Theorem 1).
+    swag_learning_rate : float, default=1e-2
+        SGD learning rate of the SWAG run (``projector="subset-swag"``).
+    swag_n_steps : int, default=100
+        SGD steps of the SWAG run.
+    validation_fraction : float, default=0.1
+        Fraction of the rows held out from training when ``fit`` trains the network
+        and no ``validation_data`` is given.
+    trainable_only : bool, default=True
+        Linearise only parameters with ``requires_grad=True``.
+    device : str or torch.device, default="auto"
+        ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or a torch device.
+    batch_size : int, default=256
+        Rows per batch when streaming data through the network.
+    random_state : int, RandomState instance or None, default=None
+        Seeds the subset ``X'``, the SWAG run, hold-outs and net training.
+    verbose : int or bool, default=0
+        ``>= 1`` shows progress bars on long passes.
+
+    Attributes
+    ----------
+    prior_variance_ : float
+        Prior variance in use.
+    noise_variance_ : float
+        Noise variance in use.
+    subspace_dim_ : int
+        ``s`` in use.
+    projector_ : Tensor of shape (subspace_dim_, n_params)
+        Orthonormal rows spanning ``P`` (float64).
+    projector_eigvals_ : ndarray or None
+        Top eigenvalues of ``J_X' Psi J_X'^T`` (low-rank and optimal projectors).
+    log_marginal_likelihood_ : float
+        Laplace evidence of the subspace model.
+    hyper_strategy_ : str
+        How ``"auto"`` values were chosen.
+    hyper_trace_ : dict
+        Candidates tried and their scores (``"kfac_evidence"``: the KFAC search).
+    net_ : object
+        The pretrained or trained network.
+    linearized_net_ : LinearizedNet
+        The frozen functional view of the network.
+    jacobian_backend_ : str
+        ``"structured"`` or ``"functorch"``.
+    likelihood_ : Gaussian
+        The fitted likelihood.
+    posterior_ : SubspacePosterior
+        The fitted posterior.
+    n_outputs_ : int
+        Number of network outputs.
+    n_features_in_ : int
+        Number of input features.
+    feature_names_in_ : ndarray of shape (n_features_in_,)
+        Feature names, when ``X`` has string column names.
+
+    See Also
+    --------
+    SubspaceLaplace : The same with the task chosen by ``likelihood``.
+    LLARegressor : Exact LLA, the reference.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sklearn_lla.subspace import SubspaceLaplaceRegressor
+    >>> rng = np.random.RandomState(0)
+    >>> X = rng.uniform(-2, 2, (80, 1))
+    >>> y = np.sin(2 * X[:, 0]) + 0.1 * rng.randn(80)
+    >>> reg = SubspaceLaplaceRegressor(subspace_dim=10, random_state=0).fit(X, y)
+    >>> mean, std = reg.predict(X[:2], return_std=True)
+    >>> std.shape
+    (2,)
+    """
+
+    _parameter_constraints = {**REGRESSOR_CONSTRAINTS, **_SubspaceMixin._subspace_constraints}
+
+    def __init__(self, net=None, *, projector="lowrank-kfac", subspace_dim=100,
+                 prior_variance="auto", noise_variance="auto", hyper_strategy="auto",
+                 n_subset=1000, subspace_X=None, swag_learning_rate=1e-2, swag_n_steps=100,
+                 validation_fraction=0.1, trainable_only=True, device="auto", batch_size=256,
+                 random_state=None, verbose=0):
+        self.net = net
+        self.projector = projector
+        self.subspace_dim = subspace_dim
+        self.prior_variance = prior_variance
+        self.noise_variance = noise_variance
+        self.hyper_strategy = hyper_strategy
+        self.n_subset = n_subset
+        self.subspace_X = subspace_X
+        self.swag_learning_rate = swag_learning_rate
+        self.swag_n_steps = swag_n_steps
+        self.validation_fraction = validation_fraction
+        self.trainable_only = trainable_only
+        self.device = device
+        self.batch_size = batch_size
+        self.random_state = random_state
+        self.verbose = verbose
+
+
+class SubspaceLaplaceClassifier(_SubspaceMixin, LaplaceClassifierMixin):
+    """Subspace Laplace classification: linearised Laplace on ``theta_hat + P mu``.
+
+    The latent covariance is ``J(x) P (P^T H P)^-1 P^T J(x)^T`` with the full GGN
+    precision ``H`` accumulated batch-wise in the ``s``-dimensional subspace
+    (Faller & Martin); class probabilities by ``link_approx``.
+
+    Parameters
+    ----------
+    net : None, skorch net, FrozenEstimator or torch.nn.Module, default=None
+        The network. ``None`` trains a small tanh MLP (MAP, weight decay) in ``fit``;
+        a fitted skorch net, ``FrozenEstimator(net)`` or an ``nn.Module`` is used as it
+        is and never modified; an unfitted skorch net is trained in ``fit``.
+    projector : {"lowrank-kfac", "lowrank-diag", "subset-magnitude", \
+"subset-diagonal", "subset-swag", "optimal"}, default="lowrank-kfac"
+        How ``P`` is built (see :class:`SubspaceLaplaceRegressor`).
+    subspace_dim : int, default=100
+        ``s``.
+    prior_variance : float or "auto", default="auto"
+        ``s0^2``. ``"auto"``: maximises the Laplace evidence of the KFAC
+        approximation of the full network (see :class:`SubspaceLaplaceRegressor`).
+    hyper_strategy : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
+        ``"auto"``: the KFAC evidence. Otherwise this strategy on the subspace
+        model (the projector is then built with ``||theta||^2 / P``).
+    n_subset : int, default=1000
+        Size of the training subset ``X'`` (the paper uses 100 for image sets).
+    subspace_X : array-like of shape (n, n_features) or None, default=None
+        Inputs used as ``X'`` instead of a random training subset.
+    swag_learning_rate : float, default=1e-2
+        SGD learning rate of the SWAG run (``projector="subset-swag"``).
+    swag_n_steps : int, default=100
+        SGD steps of the SWAG run.
+    link_approx : {"probit", "mc", "bridge"}, default="probit"
+        Approximation of ``E softmax(f)`` under the Gaussian latent.
+    n_samples_predict : int, default=512
+        Samples per point for ``link_approx="mc"``.
+    classes : array-like or None, default=None
+        The label of each network output, in output order (see
+        :class:`~sklearn_lla.LLAClassifier`).
+    validation_fraction : float, default=0.1
+        Fraction of the rows held out from training when ``fit`` trains the network
+        and no ``validation_data`` is given.
+    trainable_only : bool, default=True
+        Linearise only parameters with ``requires_grad=True``.
+    device : str or torch.device, default="auto"
+        ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or a torch device.
+    batch_size : int, default=256
+        Rows per batch when streaming data through the network.
+    random_state : int, RandomState instance or None, default=None
+        Seeds the subset ``X'``, the SWAG run, hold-outs, net training and ``mc``.
+    verbose : int or bool, default=0
+        ``>= 1`` shows progress bars on long passes.
+
+    Attributes
+    ----------
+    classes_ : ndarray
+        Class labels, in the order of ``predict_proba``'s columns.
+    prior_variance_ : float
+        Prior variance in use.
+    subspace_dim_ : int
+        ``s`` in use.
+    projector_ : Tensor of shape (subspace_dim_, n_params)
+        Orthonormal rows spanning ``P`` (float64).
+    projector_eigvals_ : ndarray or None
+        Top eigenvalues of ``J_X' Psi J_X'^T`` (low-rank and optimal projectors).
+    log_marginal_likelihood_ : float
+        Laplace evidence of the subspace model.
+    hyper_strategy_ : str
+        How ``"auto"`` values were chosen.
+    hyper_trace_ : dict
+        Candidates tried and their scores.
+    net_ : object
+        The pretrained or trained network.
+    linearized_net_ : LinearizedNet
+        The frozen functional view of the network.
+    jacobian_backend_ : str
+        ``"structured"`` or ``"functorch"``.
+    likelihood_ : Categorical or Bernoulli
+        The likelihood.
+    posterior_ : SubspacePosterior
+        The fitted posterior.
+    n_outputs_ : int
+        Number of network outputs.
+    n_features_in_ : int
+        Number of input features.
+    feature_names_in_ : ndarray of shape (n_features_in_,)
+        Feature names, when ``X`` has string column names.
+
+    See Also
+    --------
+    SubspaceLaplace : The same with the task chosen by ``likelihood``.
+    LLAClassifier : Exact LLA, the reference.
+
+    Examples
+    --------
+    >>> from sklearn.datasets import make_blobs
+    >>> from sklearn_lla.subspace import SubspaceLaplaceClassifier
+    >>> X, y = make_blobs(n_samples=90, centers=3, random_state=0)
+    >>> clf = SubspaceLaplaceClassifier(subspace_dim=10, random_state=0).fit(X, y)
+    >>> clf.predict_proba(X[:2]).shape
+    (2, 3)
+    """
+
+    _parameter_constraints = {**CLASSIFIER_CONSTRAINTS, **_SubspaceMixin._subspace_constraints}
+
+    def __init__(self, net=None, *, projector="lowrank-kfac", subspace_dim=100,
+                 prior_variance="auto", hyper_strategy="auto", n_subset=1000,
+                 subspace_X=None, swag_learning_rate=1e-2, swag_n_steps=100,
+                 link_approx="probit", n_samples_predict=512, classes=None,
+                 validation_fraction=0.1, trainable_only=True, device="auto", batch_size=256,
+                 random_state=None, verbose=0):
+        self.net = net
+        self.projector = projector
+        self.subspace_dim = subspace_dim
+        self.prior_variance = prior_variance
+        self.hyper_strategy = hyper_strategy
+        self.n_subset = n_subset
+        self.subspace_X = subspace_X
+        self.swag_learning_rate = swag_learning_rate
+        self.swag_n_steps = swag_n_steps
+        self.link_approx = link_approx
+        self.n_samples_predict = n_samples_predict
+        self.classes = classes
+        self.validation_fraction = validation_fraction
+        self.trainable_only = trainable_only
+        self.device = device
+        self.batch_size = batch_size
+        self.random_state = random_state
+        self.verbose = verbose
+
+
+def _clf(self):
+    return self.likelihood == "classification"
+
+
+def _reg(self):
+    return self.likelihood == "regression"
+
+
+def _impl(name):
+    """The regression or classification skin's method ``name`` for ``self``."""
+
+    def pick(self):
+        skin = LaplaceClassifierMixin if _clf(self) else LaplaceRegressorMixin
+        return getattr(skin, name).__get__(self)
+
+    return pick
+
+
+class SubspaceLaplace(_SubspaceMixin, _LaplaceBase):
+    """Subspace Laplace for regression or classification, chosen by ``likelihood``.
+
+    The estimator of the paper's interface (``SubspaceLaplace(net, likelihood)``):
+    with ``likelihood="regression"`` it is :class:`SubspaceLaplaceRegressor`, with
+    ``likelihood="classification"`` :class:`SubspaceLaplaceClassifier`; its
+    scikit-learn tags (``is_classifier``, ``is_regressor``), its methods
+    (``predict_proba`` only for classification, ``sample_y`` only for regression)
+    and its ``score`` follow ``likelihood``.
+
+    Parameters
+    ----------
+    net : None, skorch net, FrozenEstimator or torch.nn.Module, default=None
+        The network. ``None`` trains a small tanh MLP (MAP, weight decay) in ``fit``;
+        a fitted skorch net, ``FrozenEstimator(net)`` or an ``nn.Module`` is used as it
+        is and never modified; an unfitted skorch net is trained in ``fit``.
+    likelihood : {"classification", "regression"}, default="classification"
+        The task: a categorical (or Bernoulli, for a one-logit net) or a Gaussian
+        likelihood.
+    projector : {"lowrank-kfac", "lowrank-diag", "subset-magnitude", \
+"subset-diagonal", "subset-swag", "optimal"}, default="lowrank-kfac"
+        How ``P`` is built (see :class:`SubspaceLaplaceRegressor`).
+    subspace_dim : int, default=100
+        ``s``.
+    prior_variance : float or "auto", default="auto"
+        ``s0^2``. ``"auto"``: the KFAC evidence (see
+        :class:`SubspaceLaplaceRegressor`).
+    noise_variance : float or "auto", default="auto"
+        ``s2`` (regression only).
+    hyper_strategy : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
+        As in :class:`SubspaceLaplaceRegressor`.
+    n_subset : int, default=1000
+        Size of the training subset ``X'``.
+    subspace_X : array-like of shape (n, n_features) or None, default=None
+        Inputs used as ``X'`` instead of a random training subset.
+    swag_learning_rate : float, default=1e-2
+        SGD learning rate of the SWAG run.
+    swag_n_steps : int, default=100
+        SGD steps of the SWAG run.
+    link_approx : {"probit", "mc", "bridge"}, default="probit"
+        Approximation of ``E softmax(f)`` (classification only).
+    n_samples_predict : int, default=512
+        Samples per point for ``link_approx="mc"`` (classification only).
+    classes : array-like or None, default=None
+        The label of each network output (classification only).
+    validation_fraction : float, default=0.1
+        Fraction of the rows held out from training when ``fit`` trains the network
+        and no ``validation_data`` is given.
+    trainable_only : bool, default=True
+        Linearise only parameters with ``requires_grad=True``.
+    device : str or torch.device, default="auto"
+        ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or a torch device.
+    batch_size : int, default=256
+        Rows per batch when streaming data through the network.
+    random_state : int, RandomState instance or None, default=None
+        Seeds the subset ``X'``, the SWAG run, hold-outs, net training and ``mc``.
+    verbose : int or bool, default=0
+        ``>= 1`` shows progress bars on long passes.
+
+    Attributes
+    ----------
+    classes_ : ndarray
+        Class labels (classification only).
+    prior_variance_ : float
+        Prior variance in use.
+    noise_variance_ : float
+        Noise variance in use (regression only).
+    subspace_dim_ : int
+        ``s`` in use.
+    projector_ : Tensor of shape (subspace_dim_, n_params)
+        Orthonormal rows spanning ``P`` (float64).
+    projector_eigvals_ : ndarray or None
+        Top eigenvalues of ``J_X' Psi J_X'^T`` (low-rank and optimal projectors).
+    log_marginal_likelihood_ : float
+        Laplace evidence of the subspace model.
+    hyper_strategy_ : str
+        How ``"auto"`` values were chosen.
+    hyper_trace_ : dict
+        Candidates tried and their scores.
+    net_ : object
+        The pretrained or trained network.
+    linearized_net_ : LinearizedNet
+        The frozen functional view of the network.
+    jacobian_backend_ : str
+        ``"structured"`` or ``"functorch"``.
+    likelihood_ : Likelihood
+        The fitted likelihood.
+    posterior_ : SubspacePosterior
+        The fitted posterior.
+    n_outputs_ : int
+        Number of network outputs.
+    n_features_in_ : int
+        Number of input features.
+    feature_names_in_ : ndarray of shape (n_features_in_,)
+        Feature names, when ``X`` has string column names.
+
+    See Also
+    --------
+    SubspaceLaplaceRegressor : The regression estimator.
+    SubspaceLaplaceClassifier : The classification estimator.
+
+    Examples
+    --------
+    >>> from sklearn.base import is_classifier
+    >>> from sklearn.datasets import make_blobs
+    >>> from sklearn_lla.subspace import SubspaceLaplace
+    >>> X, y = make_blobs(n_samples=90, centers=3, random_state=0)
+    >>> la = SubspaceLaplace(likelihood="classification", subspace_dim=10,
+    ...                      random_state=0).fit(X, y)
+    >>> is_classifier(la), la.predict_proba(X[:2]).shape
+    (True, (2, 3))
+    """
+
+    _parameter_constraints = {
+        **REGRESSOR_CONSTRAINTS, **CLASSIFIER_CONSTRAINTS,
+        **_SubspaceMixin._subspace_constraints,
+        "likelihood": [StrOptions({"regression", "classification"})],
+    }
+
+    def __init__(self, net=None, likelihood="classification", *, projector="lowrank-kfac",
+                 subspace_dim=100, prior_variance="auto", noise_variance="auto",
+                 hyper_strategy="auto", n_subset=1000, subspace_X=None,
+                 swag_learning_rate=1e-2, swag_n_steps=100, link_approx="probit",
+                 n_samples_predict=512, classes=None, validation_fraction=0.1,
+                 trainable_only=True, device="auto", batch_size=256, random_state=None,
+                 verbose=0):
+        self.net = net
+        self.likelihood = likelihood
+        self.projector = projector
+        self.subspace_dim = subspace_dim
+        self.prior_variance = prior_variance
+        self.noise_variance = noise_variance
+        self.hyper_strategy = hyper_strategy
+        self.n_subset = n_subset
+        self.subspace_X = subspace_X
+        self.swag_learning_rate = swag_learning_rate
+        self.swag_n_steps = swag_n_steps
+        self.link_approx = link_approx
+        self.n_samples_predict = n_samples_predict
+        self.classes = classes
+        self.validation_fraction = validation_fraction
+        self.trainable_only = trainable_only
+        self.device = device
+        self.batch_size = batch_size
+        self.random_state = random_state
+        self.verbose = verbose
+
+    # -- the task follows ``likelihood`` --------------------------------------------
+    @property
+    def _task(self):
+        return self.likelihood
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.target_tags.required = True
+        if self.likelihood == "classification":
+            tags.estimator_type = "classifier"
+            tags.classifier_tags = ClassifierTags()
+        else:
+            tags.estimator_type = "regressor"
+            tags.regressor_tags = RegressorTags()
+            tags.target_tags.multi_output = True
+            tags.target_tags.single_output = True
+        return tags
+
+    _validate_xy = property(_impl("_validate_xy"))
+    _encode_targets = property(_impl("_encode_targets"))
+    _n_net_outputs = property(_impl("_n_net_outputs"))
+    _likelihood = property(_impl("_likelihood"))
+    _encode_validation_targets = property(_impl("_encode_validation_targets"))
+
+    def _target_tensor(self, y, device):
+        skin = LaplaceClassifierMixin if _clf(self) else LaplaceRegressorMixin
+        return skin._target_tensor(y, device)
+
+    def _net_classes(self, resolved, C):
+        return LaplaceClassifierMixin._net_classes(self, resolved, C)
+
+    def _shape(self, a):
+        return LaplaceRegressorMixin._shape(self, a)
+
+    def _store_fitted(self, posterior):
+        if _reg(self):
+            self.noise_variance_ = float(posterior.likelihood.noise_variance)
+        super()._store_fitted(posterior)
+
+    def fit(self, X, y, validation_data=None):
+        """Fit the subspace Laplace posterior of the (pretrained or trained) network.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+            Training inputs.
+        y : array-like of shape (n_samples,) or (n_samples, n_targets)
+            Targets (regression) or class labels (classification).
+        validation_data : tuple (X_val, y_val), optional
+            Held-out data the network did not fit, used to choose ``"auto"``
+            hyperparameters by validation NLL.
+
+        Returns
+        -------
+        self : object
+            The fitted estimator.
+        """
+        return self._fit(X, y, validation_data)
+
+    def predict(self, X, return_std=False, return_cov=False):
+        """Predict the mean (regression) or the most probable class (classification).
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+            Query points.
+        return_std : bool, default=False
+            Regression only: also return the predictive standard deviation of ``y``.
+        return_cov : bool, default=False
+            Regression only: also return the joint predictive covariance of ``y``.
+
+        Returns
+        -------
+        y_pred : ndarray of shape (n_samples,) or (n_samples, n_targets)
+            Predictive mean or class labels.
+        y_std : ndarray of the shape of ``y_pred``
+            Returned when ``return_std`` is true.
+        y_cov : ndarray
+            Returned when ``return_cov`` is true.
+        """
+        if _clf(self):
+            if return_std or return_cov:
+                raise ValueError("return_std and return_cov are for "
+                                 "likelihood='regression'")
+            return LaplaceClassifierMixin.predict(self, X)
+        return LaplaceRegressorMixin.predict(self, X, return_std=return_std,
+                                             return_cov=return_cov)
+
+    @available_if(_clf)
+    def predict_proba(self, X):
+        """Predict class probabilities ``E softmax(f)`` (classification only).
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+            Query points.
+
+        Returns
+        -------
+        proba : ndarray of shape (n_samples, n_classes)
+            Rows sum to one; columns in the order of ``classes_``.
+        """
+        return LaplaceClassifierMixin.predict_proba(self, X)
+
+    @available_if(_clf)
+    def predict_log_proba(self, X):
+        """Predict the logarithm of :meth:`predict_proba` (classification only).
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+            Query points.
+
+        Returns
+        -------
+        log_proba : ndarray of shape (n_samples, n_classes)
+            Log probabilities, columns in the order of ``classes_``.
+        """
+        return LaplaceClassifierMixin.predict_log_proba(self, X)
+
+    @available_if(_reg)
+    def sample_y(self, X, n_samples=1, random_state=0):
+        """Draw joint samples of ``y`` from the predictive (regression only).
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples_X, n_features)
+            Query points.
+        n_samples : int, default=1
+            Number of joint samples.
+        random_state : int, RandomState instance or None, default=0
+            Seed of the draws.
+
+        Returns
+        -------
+        y_samples : ndarray
+            Shape (n_samples_X, n_samples), or (n_samples_X, n_targets, n_samples).
+        """
+        return LaplaceRegressorMixin.sample_y(self, X, n_samples, random_state)
+
+    def score(self, X, y, sample_weight=None):
+        """Return the accuracy (classification) or the R^2 (regression) on ``(X, y)``.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+            Test inputs.
+        y : array-like of shape (n_samples,) or (n_samples, n_targets)
+            True labels or targets.
+        sample_weight : array-like of shape (n_samples,), default=None
+            Sample weights.
+
+        Returns
+        -------
+        score : float
+            Mean accuracy or coefficient of determination.
+        """
+        from sklearn.metrics import accuracy_score, r2_score
+
+        if _clf(self):
+            return accuracy_score(y, self.predict(X), sample_weight=sample_weight)
+        return r2_score(y, self.predict(X), sample_weight=sample_weight)
