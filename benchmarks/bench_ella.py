@@ -138,8 +138,10 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS=str(cfg["threads"]), MKL_NUM_THREADS=str(cfg["threads"]))
     res = {}
     for m in methods:
-        proc = subprocess.run([sys.executable, __file__, "--method", m, "--config", json.dumps(cfg)],
-                              capture_output=True, text=True, env=env)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--method", m, "--config", json.dumps(cfg)],
+            capture_output=True, text=True, env=env,
+        )
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not line:
             print(f"{m}: FAILED\n{proc.stderr[-3000:]}")

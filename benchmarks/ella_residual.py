@@ -66,7 +66,10 @@ def main():
     print(f"{'D':>2} {'M':>5} {'K':>4} {'residual':>9} {'KL in':>10} {'KL out':>10} "
           f"{'NLL in':>8} {'NLL LLA':>8}")
     for d, M, K, res, kin, kout, nll, nl in rows:
-        print(f"{d:>2} {M:>5} {K:>4} {str(res):>9} {kin:>10.4f} {kout:>10.4f} {nll:>8.4f} {nl:>8.4f}")
+        print(
+            f"{d:>2} {M:>5} {K:>4} {str(res):>9} {kin:>10.4f} {kout:>10.4f} "
+            f"{nll:>8.4f} {nl:>8.4f}"
+        )
 
 
 if __name__ == "__main__":
