@@ -554,3 +554,40 @@ def test_net_trained_in_fit_keeps_its_holdout(reg_data):
     est = LLARegressor(device="cpu", random_state=0).fit(reg_data.X, reg_data.y)
     assert est.validation_source_ == "rows held out from training the network"
     assert est.hyper_strategy_ == "validation"
+
+
+class _DropsBatch(nn.Module):
+    """Returns one row of outputs whatever the batch: (C,) instead of (B, C)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 1, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.lin(x).mean(0)
+
+
+def test_net_dropping_the_batch_dimension_is_a_clear_error(reg_data):
+    with pytest.raises(ValueError, match="batch"):
+        LLARegressor(_DropsBatch(), device="cpu").fit(reg_data.X, reg_data.y)
+
+
+def test_frozen_parameters_are_not_linearised_by_default(reg_data, reg_net):
+    module = copy.deepcopy(reg_net.module_)
+    first = module.layers[0]
+    for p in first.parameters():
+        p.requires_grad_(False)
+    n_all = sum(p.numel() for p in module.parameters())
+    n_frozen = sum(p.numel() for p in first.parameters())
+    est = LLARegressor(module, prior_variance=1.0, noise_variance=0.01,
+                       device="cpu").fit(reg_data.X, reg_data.y)
+    assert est.linearized_net_.n_params == n_all - n_frozen
+    everything = LLARegressor(module, prior_variance=1.0, noise_variance=0.01,
+                              trainable_only=False, device="cpu").fit(reg_data.X, reg_data.y)
+    assert everything.linearized_net_.n_params == n_all
+    # fewer linearised directions: never more latent variance at the same prior
+    s_tr = est.predict(reg_data.X_test, return_std=True)[1]
+    s_all = everything.predict(reg_data.X_test, return_std=True)[1]
+    assert np.all(s_tr <= s_all + 1e-12)
+    # the user's flags are untouched
+    assert not any(p.requires_grad for p in first.parameters())
