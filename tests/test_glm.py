@@ -214,3 +214,24 @@ def test_validation_strategy_equals_brute_force(reg_data, reg_net):
                              device="cpu").fit(X, y)
         m, s = fixed.predict(Xv, return_std=True)
         np.testing.assert_allclose(trace["score"][a, b], gaussian_nll(yv, m, s), rtol=1e-8)
+
+
+def test_latent_predictive_var_and_sample():
+    from sklearn_lla._protocol import LatentPredictive
+
+    g = torch.Generator().manual_seed(0)
+    L = torch.randn(4, 3, 3, dtype=torch.float64, generator=g)
+    cov = L @ L.transpose(1, 2)
+    cov[0] = 0.0  # a degenerate (zero) covariance samples the mean exactly
+    mean = torch.randn(4, 3, dtype=torch.float64, generator=g)
+    lp = LatentPredictive(mean, cov)
+    torch.testing.assert_close(lp.var, torch.diagonal(cov, dim1=1, dim2=2))
+    s = lp.sample(40000, torch.Generator().manual_seed(1))
+    assert s.shape == (40000, 4, 3)
+    torch.testing.assert_close(s[:, 0], mean[0].expand(40000, 3), rtol=0, atol=1e-12)
+    for b in range(1, 4):
+        emp = torch.cov(s[:, b].T)
+        # Monte Carlo error of a covariance entry with 40000 draws: ~sqrt(2/40000) ~ 0.7 %
+        torch.testing.assert_close(emp, cov[b], rtol=0, atol=0.05 * float(cov[b].abs().max()))
+        torch.testing.assert_close(s[:, b].mean(0), mean[b], rtol=0,
+                                   atol=0.05 * float(cov[b].diagonal().sqrt().max()))
