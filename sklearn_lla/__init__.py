@@ -4,9 +4,11 @@ Linearized Laplace approximations (exact LLA and its scalable successors) behind
 scikit-learn estimator API.
 """
 
-from . import metrics
+from . import diagnostics, metrics
 from .ella import ELLAClassifier, ELLARegressor
 from .exact import LLAClassifier, LLARegressor
+from .sampled import SampledLLAClassifier, SampledLLARegressor
+from .subspace import SubspaceLaplace, SubspaceLaplaceClassifier, SubspaceLaplaceRegressor
 
 __version__ = "0.1.0.dev0"
 
@@ -15,5 +17,11 @@ __all__ = [
     "LLAClassifier",
     "ELLARegressor",
     "ELLAClassifier",
+    "SubspaceLaplaceRegressor",
+    "SubspaceLaplaceClassifier",
+    "SubspaceLaplace",
+    "SampledLLARegressor",
+    "SampledLLAClassifier",
     "metrics",
+    "diagnostics",
 ]

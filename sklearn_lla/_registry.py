@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from .ella import ELLAClassifier, ELLARegressor
 from .exact import LLAClassifier, LLARegressor
+from .sampled import SampledLLAClassifier, SampledLLARegressor
+from .subspace import SubspaceLaplace, SubspaceLaplaceClassifier, SubspaceLaplaceRegressor
 
 __all__ = ["Entry", "ESTIMATORS"]
 
@@ -39,6 +41,13 @@ class Entry:
     joint: bool = True
 
     @property
+    def is_classifier(self) -> bool:
+        """Whether this configuration is a classifier (by its tags, not its class)."""
+        from sklearn.base import is_classifier
+
+        return is_classifier(self.cls(None, **self.params))
+
+    @property
     def id(self) -> str:
         extra = "-".join(f"{v}" for v in self.params.values())
         return self.cls.__name__ + (f"[{extra}]" if extra else "")
@@ -56,4 +65,14 @@ ESTIMATORS = [
     Entry(LLAClassifier, {"subset_of_weights": "last_layer"}),
     Entry(ELLARegressor, test_params={"n_nystrom": 60}),
     Entry(ELLAClassifier, test_params={"n_nystrom": 60}),
+    Entry(SubspaceLaplaceRegressor, test_params={"subspace_dim": 10, "n_subset": 50}),
+    Entry(SubspaceLaplaceClassifier, test_params={"subspace_dim": 10, "n_subset": 50}),
+    Entry(SubspaceLaplace, {"likelihood": "regression"},
+          test_params={"subspace_dim": 10, "n_subset": 50}),
+    Entry(SubspaceLaplace, {"likelihood": "classification"},
+          test_params={"subspace_dim": 10, "n_subset": 50}),
+    Entry(SampledLLARegressor,
+          test_params={"n_posterior_samples": 8, "max_iter": 100, "n_em_steps": 1}),
+    Entry(SampledLLAClassifier,
+          test_params={"n_posterior_samples": 8, "max_iter": 100, "n_em_steps": 1}),
 ]

@@ -342,7 +342,7 @@ class _SampledMixin:
 
     def _store_fitted(self, posterior):
         self.effective_dim_ = float(posterior.effective_dim)
-        self.n_iter_ = list(posterior.n_iter)
+        self.n_iter_ = np.asarray(posterior.n_iter, dtype=np.int64)
         super()._store_fitted(posterior)
 
 
@@ -406,7 +406,7 @@ class SampledLLARegressor(_SampledMixin, LaplaceRegressorMixin):
         Noise variance in use.
     effective_dim_ : float
         ``gamma`` estimated from the final samples.
-    n_iter_ : list of int
+    n_iter_ : ndarray of int
         Adam steps of each E-step.
     hyper_strategy_ : str
         ``"em"`` or ``"fixed"``.
@@ -531,7 +531,7 @@ class SampledLLAClassifier(_SampledMixin, LaplaceClassifierMixin):
         Prior variance in use.
     effective_dim_ : float
         ``gamma`` estimated from the final samples.
-    n_iter_ : list of int
+    n_iter_ : ndarray of int
         Adam steps of each E-step.
     hyper_strategy_ : str
         ``"em"`` or ``"fixed"``.

@@ -14,8 +14,10 @@ never as a ``p x p`` matrix. The projectors are in :mod:`sklearn_lla._projectors
 Hyperparameters: ``prior_variance="auto"`` is chosen, as in the paper, by the
 Laplace marginal likelihood of the KFAC approximation of the full network (the
 closed-form evidence over the KFAC eigenvalues, maximised by
-:class:`~sklearn_lla._hyper.Evidence`); it is then held fixed for the projector
-and the subspace posterior. An ``"auto"`` noise variance goes through the GLM
+:class:`~sklearn_lla._hyper.Evidence`); it builds the projector and, when there are
+no held-out rows, is held fixed for the subspace posterior too (with held-out rows
+the posterior's validation strategy chooses it, as for every method: measured to
+calibrate better). An ``"auto"`` noise variance goes through the GLM
 posterior's strategies (validation NLL with held-out data, otherwise the subspace
 evidence). ``hyper_strategy`` other than ``"auto"`` chooses both variances with
 that GLM strategy on the subspace model instead.
@@ -75,8 +77,9 @@ class SubspacePosterior(GLMPosterior):
         the subspace evidence when KFAC does not support the network), an ``"auto"``
         noise variance by the GLM posterior's ``"auto"``. Otherwise both by that GLM
         strategy on the subspace model.
-    n_subset : int, default=1000
-        Size of the training subset ``X'`` of the low-rank and optimal projectors.
+    n_subset : int or "auto", default="auto"
+        Size of the training subset ``X'`` of the low-rank and optimal projectors
+        (``"auto"``: ``ceil(1000 / C)`` points, ``n C = 1000`` rows as in the paper).
     subspace_X : array-like or None, default=None
         Inputs to use as ``X'`` instead of a random training subset.
     swag_learning_rate : float, default=1e-2
@@ -88,7 +91,7 @@ class SubspacePosterior(GLMPosterior):
         "projector_noise_variance", "subset_indices")
 
     def __init__(self, projector, subspace_dim, prior_variance="auto", noise_variance=None,
-                 hyper="auto", n_subset=1000, subspace_X=None, swag_learning_rate=1e-2,
+                 hyper="auto", n_subset="auto", subspace_X=None, swag_learning_rate=1e-2,
                  swag_n_steps=100):
         super().__init__(None, prior_variance, noise_variance, hyper=hyper,
                          label="subspace Laplace")
@@ -117,10 +120,13 @@ class SubspacePosterior(GLMPosterior):
             self.subset_indices = None
             return to_batch(X, slice(0, len(X)), torch.float64, lin.device)
         N = data.n_samples
-        if self.n_subset >= N:
+        n_subset = self.n_subset
+        if n_subset == "auto":  # the paper: n C = 1000 rows (1000 points for one output)
+            n_subset = max(1, -(-1000 // data.n_outputs))
+        if n_subset >= N:
             idx = np.arange(N)
         else:
-            idx = np.sort(torch.randperm(N, generator=data.generator)[:self.n_subset].numpy())
+            idx = np.sort(torch.randperm(N, generator=data.generator)[:n_subset].numpy())
         self.subset_indices = idx
         x, _ = data.rows(idx)
         return x.double() if x.is_floating_point() else x
@@ -139,7 +145,11 @@ class SubspacePosterior(GLMPosterior):
             res = Evidence().select(s0, s2, eigvals=kfac.eigvals(), theta_sq_norm=theta_sq,
                                     data_fit=stat, n_obs=N * C, n_params=P)
             self._kfac_result = res
-            self.prior_variance = res.prior_variance  # fixed for the subspace posterior
+            if data.validation is None:
+                # no held-out rows: the KFAC evidence (the paper's choice) also fixes
+                # the subspace posterior's prior; with held-out rows the posterior's
+                # own validation strategy chooses it (docs/hyperparameters.md)
+                self.prior_variance = res.prior_variance
             return res.prior_variance, res.noise_variance
         s0p = float(s0) if s0 != "auto" else max(theta_sq / max(P, 1), 1e-12)
         s2p = None
@@ -212,7 +222,7 @@ class SubspacePosterior(GLMPosterior):
         self.projector_rows = V
         self.features = ProjectionFeatures(V)
         super().fit(data)
-        if self._kfac_result is not None:
+        if self._kfac_result is not None and data.validation is None:
             glm = self.hyper_strategy
             self.hyper_strategy = "evidence" if glm in ("fixed", "evidence") else glm
             self.hyper_trace = {**self.hyper_trace, "kfac_evidence": self._kfac_result.trace,
@@ -227,7 +237,7 @@ class _SubspaceMixin:
     _subspace_constraints = {
         "projector": [StrOptions(set(PROJECTORS))],
         "subspace_dim": [Interval(Integral, 1, None, closed="left")],
-        "n_subset": [Interval(Integral, 1, None, closed="left")],
+        "n_subset": [Interval(Integral, 1, None, closed="left"), StrOptions({"auto"})],
         "subspace_X": ["array-like", None],
         "swag_learning_rate": [Interval(Real, 0, None, closed="neither")],
         "swag_n_steps": [Interval(Integral, 1, None, closed="left")],
@@ -287,8 +297,11 @@ class SubspaceLaplaceRegressor(_SubspaceMixin, LaplaceRegressorMixin):
         described above. Otherwise both ``"auto"`` variances by this strategy on the
         subspace model (the projector is then built with ``||theta||^2 / P`` and the
         variance of the training residuals).
-    n_subset : int, default=1000
-        Size of the training subset ``X'`` of the low-rank and optimal projectors.
+    n_subset : int or "auto", default="auto"
+        Size of the training subset ``X'`` of the low-rank and optimal projectors;
+        ``"auto"``: ``ceil(1000 / n_outputs)`` points, i.e. ``n C = 1000`` rows of
+        ``M = J_X' Psi J_X'^T`` (the paper's 1000 points for regression and 100 for
+        ten classes). ``M`` costs ``(n C)^2`` memory and an ``(n C)^3`` eigensolve.
     subspace_X : array-like of shape (n, n_features) or None, default=None
         Inputs used as ``X'`` instead of a random training subset (for
         ``projector="optimal"``, the ``X`` of Theorem 1).
@@ -367,7 +380,7 @@ class SubspaceLaplaceRegressor(_SubspaceMixin, LaplaceRegressorMixin):
 
     def __init__(self, net=None, *, projector="lowrank-kfac", subspace_dim=100,
                  prior_variance="auto", noise_variance="auto", hyper_strategy="auto",
-                 n_subset=1000, subspace_X=None, swag_learning_rate=1e-2, swag_n_steps=100,
+                 n_subset="auto", subspace_X=None, swag_learning_rate=1e-2, swag_n_steps=100,
                  validation_fraction=0.1, trainable_only=True, device="auto", batch_size=256,
                  random_state=None, verbose=0):
         self.net = net
@@ -412,8 +425,9 @@ class SubspaceLaplaceClassifier(_SubspaceMixin, LaplaceClassifierMixin):
     hyper_strategy : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
         ``"auto"``: the KFAC evidence. Otherwise this strategy on the subspace
         model (the projector is then built with ``||theta||^2 / P``).
-    n_subset : int, default=1000
-        Size of the training subset ``X'`` (the paper uses 100 for image sets).
+    n_subset : int or "auto", default="auto"
+        Size of the training subset ``X'``; ``"auto"``: ``ceil(1000 / n_outputs)``
+        points (``n C = 1000`` rows, the paper's 100 points for ten classes).
     subspace_X : array-like of shape (n, n_features) or None, default=None
         Inputs used as ``X'`` instead of a random training subset.
     swag_learning_rate : float, default=1e-2
@@ -494,7 +508,7 @@ class SubspaceLaplaceClassifier(_SubspaceMixin, LaplaceClassifierMixin):
     _parameter_constraints = {**CLASSIFIER_CONSTRAINTS, **_SubspaceMixin._subspace_constraints}
 
     def __init__(self, net=None, *, projector="lowrank-kfac", subspace_dim=100,
-                 prior_variance="auto", hyper_strategy="auto", n_subset=1000,
+                 prior_variance="auto", hyper_strategy="auto", n_subset="auto",
                  subspace_X=None, swag_learning_rate=1e-2, swag_n_steps=100,
                  link_approx="probit", n_samples_predict=512, classes=None,
                  validation_fraction=0.1, trainable_only=True, device="auto", batch_size=256,
@@ -568,8 +582,8 @@ class SubspaceLaplace(_SubspaceMixin, _LaplaceBase):
         ``s2`` (regression only).
     hyper_strategy : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
         As in :class:`SubspaceLaplaceRegressor`.
-    n_subset : int, default=1000
-        Size of the training subset ``X'``.
+    n_subset : int or "auto", default="auto"
+        Size of the training subset ``X'`` (see :class:`SubspaceLaplaceRegressor`).
     subspace_X : array-like of shape (n, n_features) or None, default=None
         Inputs used as ``X'`` instead of a random training subset.
     swag_learning_rate : float, default=1e-2
@@ -658,7 +672,7 @@ class SubspaceLaplace(_SubspaceMixin, _LaplaceBase):
 
     def __init__(self, net=None, likelihood="classification", *, projector="lowrank-kfac",
                  subspace_dim=100, prior_variance="auto", noise_variance="auto",
-                 hyper_strategy="auto", n_subset=1000, subspace_X=None,
+                 hyper_strategy="auto", n_subset="auto", subspace_X=None,
                  swag_learning_rate=1e-2, swag_n_steps=100, link_approx="probit",
                  n_samples_predict=512, classes=None, validation_fraction=0.1,
                  trainable_only=True, device="auto", batch_size=256, random_state=None,

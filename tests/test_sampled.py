@@ -1,0 +1,276 @@
+"""Sampled LLA (sample-then-optimise + EM) against exact LLA, closed-form evidence
+optima and laplace-torch's KFAC."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import numpy as np
+import pytest
+import scipy.optimize
+import torch
+from sklearn.exceptions import ConvergenceWarning
+from torch import nn
+
+from sklearn_lla import LLARegressor
+from sklearn_lla.sampled import SampledLLAClassifier, SampledLLARegressor
+
+S0, S2 = 0.3, 0.02  # fixed hyperparameters of the comparisons with exact LLA
+FAST = dict(device="cpu", learning_rate=0.05, max_iter=600)
+
+
+def _cov(est, X):
+    lp = est.posterior_.predict(torch.as_tensor(np.asarray(X, dtype=np.float64)))
+    return lp.mean.numpy(), lp.cov.numpy()
+
+
+def _queries(data):
+    return np.vstack([data.X_test, 3.0 * data.X_test[:3]])
+
+
+@pytest.fixture(scope="module")
+def exact_reg(reg_data, reg_net):
+    est = LLARegressor(reg_net, prior_variance=S0, noise_variance=S2, space="parameter",
+                       device="cpu").fit(reg_data.X, reg_data.y)
+    return _cov(est, _queries(reg_data))
+
+
+@pytest.fixture(scope="module")
+def sampled_256(reg_data, reg_net):
+    return SampledLLARegressor(reg_net, prior_variance=S0, noise_variance=S2,
+                               n_posterior_samples=256, random_state=0,
+                               **FAST).fit(reg_data.X, reg_data.y)
+
+
+# ---------------------------------------------------------------------------------
+# Fixed hyperparameters: converges to exact LLA
+# ---------------------------------------------------------------------------------
+
+
+def test_sample_covariance_converges_to_exact(reg_data, reg_net, exact_reg, sampled_256):
+    Xq = _queries(reg_data)
+    mean_e, cov_e = exact_reg
+    var_e = cov_e[:, 0, 0]
+    errors = {}
+    for K in (16, 256):
+        est = sampled_256 if K == 256 else SampledLLARegressor(
+            reg_net, prior_variance=S0, noise_variance=S2, n_posterior_samples=K,
+            random_state=0, **FAST).fit(reg_data.X, reg_data.y)
+        mean, cov = _cov(est, Xq)
+        np.testing.assert_allclose(mean, mean_e, rtol=1e-12, atol=1e-12)  # network output
+        errors[K] = float(np.mean(np.abs(cov[:, 0, 0] - var_e) / var_e))
+    print(f"\n[sampled vs exact] mean relative variance error: {errors}")
+    # Monte Carlo error of a variance from K samples: sqrt(2 / K) (8.8 % at 256)
+    assert errors[256] < 0.15
+    assert errors[256] < errors[16]
+    assert sampled_256.prior_variance_ == S0 and sampled_256.noise_variance_ == S2
+    assert sampled_256.hyper_strategy_ == "fixed"
+
+
+def test_mode_is_the_linear_model_solution(reg_data, reg_net, dense_ref, sampled_256):
+    f, J = dense_ref.jacobian(reg_net.module_, reg_data.X)
+    J = J[:, 0, :]
+    theta = dense_ref.flat_params(dense_ref.module(reg_net.module_)).numpy()
+    H = J.T @ J / S2 + np.eye(len(theta)) / S0
+    delta = np.linalg.solve(H, J.T @ (reg_data.y - f[:, 0]) / S2 - theta / S0)
+    got = sampled_256.posterior_.mode.numpy() - theta
+    rel = np.linalg.norm(got - delta) / np.linalg.norm(delta)
+    print(f"\n[sampled mode] relative error of theta_bar - theta_hat: {rel:.2e}")
+    assert rel < 1e-2
+    # in function space (what the M-step's RSS sees): Adam with a constant learning rate
+    # settles the high-curvature (data) directions last
+    fn = np.abs(J @ (got - delta)).max() / np.abs(J @ delta).max()
+    print(f"[sampled mode] max function-space error / max |J delta|: {fn:.2e}")
+    assert fn < 0.25
+
+
+def test_joint_covariance_matches_blocks(reg_data, sampled_256):
+    X = reg_data.X_test[:6]
+    lp = sampled_256.posterior_.predict(torch.as_tensor(X))
+    mean, joint = sampled_256.posterior_.predict_joint(torch.as_tensor(X))
+    np.testing.assert_allclose(np.diag(joint.numpy()), lp.cov[:, 0, 0].numpy(), rtol=1e-12)
+    draws = sampled_256.sample_y(X, 3, random_state=0)
+    assert draws.shape == (6, 3)
+
+
+# ---------------------------------------------------------------------------------
+# EM on a linear-Gaussian model: the evidence-optimal prior precision
+# ---------------------------------------------------------------------------------
+
+
+def test_em_finds_evidence_optimal_prior_precision():
+    rng = np.random.RandomState(0)
+    N, D, s2 = 60, 8, 0.25
+    X = rng.randn(N, D)
+    w = rng.randn(D) / math.sqrt(2.0)
+    y = X @ w + 0.3 + math.sqrt(s2) * rng.randn(N)
+    Phi = np.hstack([X, np.ones((N, 1))])  # nn.Linear's parameters: weight, then bias
+
+    def neg_log_evidence(log_alpha):  # log N(y | 0, s2 I + Phi Phi^T / alpha)
+        cov = s2 * np.eye(N) + Phi @ Phi.T / math.exp(log_alpha)
+        sign, logdet = np.linalg.slogdet(cov)
+        return 0.5 * (logdet + y @ np.linalg.solve(cov, y))
+
+    best = scipy.optimize.minimize_scalar(neg_log_evidence, bounds=(-10, 10), method="bounded")
+    alpha_opt = math.exp(best.x)
+
+    net = nn.Linear(D, 1, dtype=torch.float64)
+    with torch.no_grad():  # pretrained at least squares: the linearisation is exact
+        sol = np.linalg.lstsq(Phi, y, rcond=None)[0]
+        net.weight.copy_(torch.as_tensor(sol[:D])[None])
+        net.bias.fill_(float(sol[D]))
+    est = SampledLLARegressor(net, noise_variance=s2, n_posterior_samples=256, n_em_steps=8,
+                              random_state=0, device="cpu", learning_rate=0.05,
+                              max_iter=400).fit(X, y)
+    alpha = 1.0 / est.prior_variance_
+    trace = 1.0 / est.hyper_trace_["prior_variance"]
+    print(f"\n[EM] alpha per step {np.round(trace, 3)}; evidence optimum {alpha_opt:.4f}")
+    assert est.hyper_strategy_ == "em"
+    assert abs(alpha - alpha_opt) / alpha_opt < 0.10
+
+
+def test_em_noise_variance_and_g_prior(reg_data, reg_net):
+    est = SampledLLARegressor(reg_net, n_posterior_samples=16, n_em_steps=2, g_prior=True,
+                              random_state=0, **FAST).fit(reg_data.X, reg_data.y)
+    steps = est.hyper_trace_["steps"]
+    assert len(steps) == 2 and all("noise_variance" in s for s in steps)
+    assert est.hyper_trace_["noise_source"] == "em"
+    assert 0 < est.effective_dim_ < est.linearized_net_.n_params
+    resid = np.mean((reg_net.predict(reg_data.X)[:, 0] - reg_data.y) ** 2)
+    # s2 = RSS(theta_bar) / (N - gamma): the linear model's mode may fit better than the
+    # network, so only the order of magnitude is checked
+    assert 0.1 * resid < est.noise_variance_ < 10 * resid
+    assert est.noise_variance_ == steps[-1]["noise_variance"]
+    scale = est.posterior_.prior_scale
+    assert scale.shape == (est.linearized_net_.n_params,) and float(scale.max()) <= 100.0
+    # with validation rows, s2 is their mean squared residual
+    Xv, yv = reg_data.X_test, reg_data.y_test
+    est_v = SampledLLARegressor(reg_net, n_posterior_samples=8, n_em_steps=1,
+                                random_state=0, **FAST).fit(reg_data.X, reg_data.y,
+                                                            validation_data=(Xv, yv))
+    want = np.mean((reg_net.predict(Xv)[:, 0] - yv) ** 2)
+    np.testing.assert_allclose(est_v.noise_variance_, want, rtol=1e-10)
+
+
+# ---------------------------------------------------------------------------------
+# KL to exact LLA on a 1-D toy with a gap, against laplace-torch's KFAC
+# ---------------------------------------------------------------------------------
+
+
+def _gap_problem():
+    import skorch
+
+    from sklearn_lla.nets import MLP
+
+    rng = np.random.RandomState(0)
+    X = np.concatenate([rng.uniform(-2, -0.7, 40), rng.uniform(0.7, 2, 40)])[:, None]
+    y = np.sin(2 * X[:, 0]) + 0.1 * rng.randn(80)
+    net = skorch.NeuralNetRegressor(
+        MLP, module__n_features=1, module__n_outputs=1, module__hidden_layer_sizes=(16, 16),
+        module__dtype=torch.float64, optimizer=torch.optim.Adam, lr=1e-2,
+        optimizer__weight_decay=1e-4, max_epochs=300, train_split=None, verbose=0)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        net.fit(X, y[:, None])
+    return X, y, net, np.linspace(-3, 3, 61)[:, None]
+
+
+def _kl(var_p, var_q):
+    """Mean KL(N(m, var_p) || N(m, var_q)) over points (equal means)."""
+    r = var_p / var_q
+    return float(np.mean(0.5 * (r - 1.0 - np.log(r))))
+
+
+@pytest.mark.filterwarnings("ignore:Extension saving to:UserWarning")
+@pytest.mark.filterwarnings("ignore:Full backward hook:UserWarning")
+def test_kl_to_exact_below_kfac():
+    laplace = pytest.importorskip("laplace")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    X, y, net, Xq = _gap_problem()
+    s0, s2 = 1.0, 0.01
+    exact = LLARegressor(net, prior_variance=s0, noise_variance=s2, space="parameter",
+                         device="cpu").fit(X, y)
+    var_e = _cov(exact, Xq)[1][:, 0, 0]
+    est = SampledLLARegressor(net, prior_variance=s0, noise_variance=s2,
+                              n_posterior_samples=64, random_state=0, **FAST).fit(X, y)
+    var_s = _cov(est, Xq)[1][:, 0, 0]
+
+    model = copy.deepcopy(net.module_).double()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    la = laplace.Laplace(model, "regression", subset_of_weights="all", hessian_structure="kron",
+                         sigma_noise=math.sqrt(s2), prior_precision=1.0 / s0)
+    la.fit(DataLoader(TensorDataset(torch.as_tensor(X), torch.as_tensor(y[:, None])),
+                      batch_size=32))
+    _, f_var = la(torch.as_tensor(Xq), pred_type="glm")
+    var_k = f_var.reshape(-1).detach().numpy()
+    kl_s, kl_k = _kl(var_e, var_s), _kl(var_e, var_k)
+    print(f"\n[gap toy] KL(exact || sampled, K=64) = {kl_s:.4f}; KL(exact || KFAC) = {kl_k:.4f}")
+    assert kl_s < kl_k
+
+
+# ---------------------------------------------------------------------------------
+# Determinism, dtypes, classification, options
+# ---------------------------------------------------------------------------------
+
+
+def test_determinism_and_seeds(reg_data, reg_net):
+    kw = dict(prior_variance=S0, noise_variance=S2, n_posterior_samples=8, max_iter=100,
+              device="cpu")
+    a = SampledLLARegressor(reg_net, random_state=3, **kw).fit(reg_data.X, reg_data.y)
+    b = SampledLLARegressor(reg_net, random_state=3, **kw).fit(reg_data.X, reg_data.y)
+    c = SampledLLARegressor(reg_net, random_state=4, **kw).fit(reg_data.X, reg_data.y)
+    sa, sb, sc = (e.predict(reg_data.X_test, return_std=True)[1] for e in (a, b, c))
+    np.testing.assert_array_equal(sa, sb)
+    assert not np.allclose(sa, sc)
+
+
+def test_float32_net_matches_float64(reg_data, reg_net):
+    # Same seed, same draws (always drawn in float64), same minibatches: the runs differ
+    # only by float32 rounding of the Jacobian products, which the (contractive) Adam
+    # iterations on a convex quadratic do not amplify: 1e-3 relative holds.
+    kw = dict(prior_variance=S0, noise_variance=S2, n_posterior_samples=8, random_state=0,
+              device="cpu", learning_rate=0.05, max_iter=300)
+    m32 = copy.deepcopy(reg_net.module_).float()
+    a = SampledLLARegressor(reg_net, **kw).fit(reg_data.X, reg_data.y)
+    b = SampledLLARegressor(m32, **kw).fit(reg_data.X.astype(np.float32), reg_data.y)
+    sa = a.predict(reg_data.X_test, return_std=True)[1]
+    sb = b.predict(reg_data.X_test.astype(np.float32), return_std=True)[1]
+    np.testing.assert_allclose(sb, sa, rtol=1e-3)
+
+
+def test_classifier_against_exact(clf_data, clf_net):
+    from sklearn_lla import LLAClassifier
+
+    exact = LLAClassifier(clf_net, prior_variance=2.0, space="parameter",
+                          device="cpu").fit(clf_data.X, clf_data.y)
+    est = SampledLLAClassifier(clf_net, prior_variance=2.0, n_posterior_samples=128,
+                               random_state=0, **FAST).fit(clf_data.X, clf_data.y)
+    Xq = clf_data.X_test
+    ve = np.trace(_cov(exact, Xq)[1], axis1=1, axis2=2)
+    vs = np.trace(_cov(est, Xq)[1], axis1=1, axis2=2)
+    err = float(np.mean(np.abs(vs - ve) / ve))
+    print(f"\n[sampled clf] mean relative error of the latent trace: {err:.3f}")
+    assert err < 0.2
+    np.testing.assert_allclose(est.predict_proba(Xq), exact.predict_proba(Xq), atol=0.05)
+    auto = SampledLLAClassifier(clf_net, n_posterior_samples=8, n_em_steps=2,
+                                random_state=0, **FAST).fit(clf_data.X, clf_data.y)
+    assert auto.hyper_strategy_ == "em" and len(auto.hyper_trace_["prior_variance"]) == 3
+    assert auto.predict_proba(Xq).shape == (len(Xq), 3)
+
+
+def test_early_stopping_and_convergence_warning(reg_data, reg_net):
+    kw = dict(prior_variance=S0, noise_variance=S2, n_posterior_samples=8, device="cpu",
+              random_state=0)
+    est = SampledLLARegressor(reg_net, early_stopping=True, tol=1e-3, max_iter=5000,
+                              learning_rate=0.05, **kw).fit(reg_data.X, reg_data.y)
+    assert est.n_iter_[-1] < 5000
+    with pytest.warns(ConvergenceWarning, match="max_iter"):
+        SampledLLARegressor(reg_net, max_iter=30, learning_rate=1e-3, **kw).fit(
+            reg_data.X, reg_data.y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        est.predict(reg_data.X_test)

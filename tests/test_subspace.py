@@ -1,0 +1,375 @@
+"""Subspace Laplace (sklearn_lla.subspace) against the truth.
+
+* Theorem 1: with ``projector="optimal"`` built on the query points ``X`` the
+  subspace predictive is ``U_s Lam_s U_s^T`` (the best rank-``s`` approximation of
+  exact LLA's joint covariance, from an independent dense oracle), and exact LLA
+  itself at ``s`` = rank;
+* ``Tr S_P(X) <= Tr S(X)`` for every projector, the optimal projector maximises it;
+* lowrank-kfac is closer to exact LLA (predictive KL) than subset-diagonal;
+* KFAC through curvlinops is exact where KFAC is exact (one linear layer);
+* the SWAG run leaves the pretrained weights untouched; float32 vs float64 nets;
+  pickling; clear errors; ``SubspaceLaplace`` follows ``likelihood``.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from sklearn.base import is_classifier, is_regressor
+from torch import nn
+
+from sklearn_lla import LLAClassifier, LLARegressor
+from sklearn_lla._likelihoods import Categorical, Gaussian
+from sklearn_lla._linearize import LinearizedNet
+from sklearn_lla._projectors import KFAC, PROJECTORS, full_ggn, ggn_diagonal
+from sklearn_lla._protocol import FitData
+from sklearn_lla.diagnostics import latent_predictive, predictive_kl, trace_criterion
+from sklearn_lla.subspace import (
+    SubspaceLaplace,
+    SubspaceLaplaceClassifier,
+    SubspaceLaplaceRegressor,
+)
+
+S0, S2 = 0.7, 0.02
+
+
+def _case(task, request):
+    if task == "regression":
+        return request.getfixturevalue("reg_data"), request.getfixturevalue("reg_net")
+    return request.getfixturevalue("clf_data"), request.getfixturevalue("clf_net")
+
+
+def _make(task, net, **kw):
+    if task == "regression":
+        return SubspaceLaplaceRegressor(net, prior_variance=S0, noise_variance=S2, device="cpu",
+                                        random_state=0, **kw)
+    return SubspaceLaplaceClassifier(net, prior_variance=S0, device="cpu", random_state=0, **kw)
+
+
+def _exact(task, net, data):
+    if task == "regression":
+        est = LLARegressor(net, prior_variance=S0, noise_variance=S2, space="parameter",
+                           device="cpu")
+    else:
+        est = LLAClassifier(net, prior_variance=S0, space="parameter", device="cpu")
+    return est.fit(data.X, data.y)
+
+
+# ---------------------------------------------------------------------------------
+# Theorem 1
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task", ["regression", "classification"])
+def test_optimal_full_rank_equals_exact_lla(task, request, dense_ref):
+    data, net = _case(task, request)
+    Xq = data.X_test[:10]
+    C = 1 if task == "regression" else 3
+    ref = dense_ref.reference(net.module_, data.X, data.y, Xq, task, S0,
+                              S2 if task == "regression" else None)
+    rank = np.linalg.matrix_rank(ref.J_test.reshape(-1, ref.P))
+    assert rank == 10 * C  # J_X has full row rank: s = rank = n C
+    est = _make(task, net, projector="optimal", subspace_dim=rank, subspace_X=Xq).fit(
+        data.X, data.y)
+    assert est.subspace_dim_ == rank
+    _, joint = latent_predictive(est, Xq, joint=True)
+    np.testing.assert_allclose(joint, ref.joint, rtol=1e-7, atol=1e-10 * np.abs(ref.joint).max())
+    # and the estimator agrees with exact LLA's
+    exact = _exact(task, net, data)
+    _, blocks = latent_predictive(est, Xq)
+    _, want = latent_predictive(exact, Xq)
+    np.testing.assert_allclose(blocks, want, rtol=1e-7, atol=1e-12)
+    if task == "regression":
+        np.testing.assert_allclose(est.predict(Xq, return_std=True)[1],
+                                   exact.predict(Xq, return_std=True)[1], rtol=1e-8)
+    else:
+        np.testing.assert_allclose(est.predict_proba(Xq), exact.predict_proba(Xq), rtol=1e-8)
+
+
+@pytest.mark.parametrize("task", ["regression", "classification"])
+@pytest.mark.parametrize("s", [1, 4, 7])
+def test_theorem1_best_rank_s_approximation(task, s, request, dense_ref):
+    data, net = _case(task, request)
+    Xq = data.X_test[:8]
+    ref = dense_ref.reference(net.module_, data.X, data.y, Xq, task, S0,
+                              S2 if task == "regression" else None)
+    lam, U = np.linalg.eigh(ref.joint)
+    lam, U = lam[::-1], U[:, ::-1]
+    want = (U[:, :s] * lam[:s]) @ U[:, :s].T  # U_s Lam_s U_s^T
+    est = _make(task, net, projector="optimal", subspace_dim=s, subspace_X=Xq).fit(
+        data.X, data.y)
+    _, joint = latent_predictive(est, Xq, joint=True)
+    scale = lam[0]
+    np.testing.assert_allclose(joint, want, atol=1e-8 * scale)
+    np.testing.assert_allclose(est.projector_eigvals_, lam[:s], rtol=1e-8)
+    # the rank-s truncation is optimal in Frobenius norm and under the trace criterion
+    assert trace_criterion(est, Xq) == pytest.approx(lam[:s].sum(), rel=1e-8)
+
+
+# ---------------------------------------------------------------------------------
+# Trace criterion and KL to exact LLA
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task", ["regression", "classification"])
+def test_trace_criterion_bounded_by_exact_and_optimal_is_best(task, request):
+    data, net = _case(task, request)
+    Xq = data.X_test
+    full = trace_criterion(_exact(task, net, data), Xq)
+    s = 6
+    traces = {}
+    for name in PROJECTORS:
+        kw = {"subspace_X": Xq} if name == "optimal" else {}
+        est = _make(task, net, projector=name, subspace_dim=s, **kw).fit(data.X, data.y)
+        traces[name] = trace_criterion(est, Xq)
+        assert trace_criterion(est.posterior_, Xq) == pytest.approx(traces[name], rel=1e-12)
+        assert 0.0 <= traces[name] <= full * (1 + 1e-9), name
+    # Theorem 1's projector on the query points maximises the trace (appendix B.1)
+    assert all(traces["optimal"] >= t * (1 - 1e-9) for t in traces.values())
+
+
+@pytest.mark.parametrize("task", ["regression", "classification"])
+def test_lowrank_kfac_closer_to_exact_than_subset_diagonal(task, request):
+    """The paper's Figure 1 ordering on a small MLP, at equal s (fixed seeds)."""
+    data, net = _case(task, request)
+    Xq = data.X_test
+    exact = _exact(task, net, data)
+    mp, cp = latent_predictive(exact, Xq, joint=task == "regression")
+    kl = {}
+    for name in ("lowrank-kfac", "subset-diagonal"):
+        est = _make(task, net, projector=name, subspace_dim=8).fit(data.X, data.y)
+        mq, cq = latent_predictive(est, Xq, joint=task == "regression")
+        kl[name] = predictive_kl(mp, cp, mq, cq, likelihood=task, noise_variance=S2)
+    assert kl["lowrank-kfac"] < kl["subset-diagonal"]
+
+
+def test_subspace_is_exact_with_every_parameter(reg_data, reg_net):
+    """A subset projector with s = p is the full Laplace approximation."""
+    exact = _exact("regression", reg_net, reg_data)
+    est = _make("regression", reg_net, projector="subset-magnitude", subspace_dim=10_000).fit(
+        reg_data.X, reg_data.y)
+    assert est.subspace_dim_ == est.linearized_net_.n_params
+    np.testing.assert_allclose(est.predict(reg_data.X_test, return_std=True)[1],
+                               exact.predict(reg_data.X_test, return_std=True)[1], rtol=1e-9)
+
+
+# ---------------------------------------------------------------------------------
+# Curvature pieces: KFAC (curvlinops) and the GGN diagonal
+# ---------------------------------------------------------------------------------
+
+
+def test_kfac_is_exact_for_one_linear_layer(reg_data):
+    net = nn.Sequential(nn.Linear(3, 1)).double()
+    lin = LinearizedNet(net, example_input=torch.as_tensor(reg_data.X))
+    y = torch.as_tensor(reg_data.y.reshape(-1, 1))
+    fd = FitData(lin, Gaussian(S2, 1), reg_data.X, y, batch_size=16)
+    G = full_ggn(lin, fd)  # unit noise
+    kfac = KFAC(lin, fd)
+    np.testing.assert_allclose(np.sort(kfac.eigvals()), np.linalg.eigvalsh(G.numpy()),
+                               rtol=1e-10)
+    H = G / S2 + torch.eye(4, dtype=torch.float64) / S0
+    eye = torch.eye(4, dtype=torch.float64)
+    np.testing.assert_allclose(kfac.inverse(S0, S2)(eye).numpy(), torch.linalg.inv(H).numpy(),
+                               rtol=1e-8)
+    np.testing.assert_allclose(ggn_diagonal(lin, fd).numpy(), torch.diagonal(G).numpy(),
+                               rtol=1e-12)
+
+
+def test_kfac_trace_and_ggn_diagonal_on_an_mlp(clf_data, clf_net, dense_ref):
+    lin = LinearizedNet(clf_net.module_, example_input=torch.as_tensor(clf_data.X))
+    fd = FitData(lin, Categorical(3), clf_data.X, torch.as_tensor(clf_data.y), batch_size=32)
+    kfac = KFAC(lin, fd)
+    assert len(kfac.eigvals()) == lin.n_params
+    assert kfac.eigvals().sum() == pytest.approx(float(kfac.op.trace), rel=1e-10)
+    ref = dense_ref.reference(clf_net.module_, clf_data.X, clf_data.y, None, "classification",
+                              S0)
+    np.testing.assert_allclose(ggn_diagonal(lin, fd).numpy(), np.diag(ref.GGN), rtol=1e-9,
+                               atol=1e-12)
+
+
+def test_prior_auto_uses_the_kfac_evidence(reg_data, reg_net):
+    est = SubspaceLaplaceRegressor(reg_net, subspace_dim=5, device="cpu", random_state=0).fit(
+        reg_data.X, reg_data.y)
+    assert est.hyper_trace_["prior_variance_source"] == "kfac_evidence"
+    assert est.hyper_strategy_ == "evidence"
+    assert est.prior_variance_ == pytest.approx(
+        est.hyper_trace_["kfac_evidence"]["prior_variance"][-1], rel=0.5)
+    # another strategy: the subspace model's own evidence
+    other = SubspaceLaplaceRegressor(reg_net, subspace_dim=5, hyper_strategy="evidence",
+                                     device="cpu", random_state=0).fit(reg_data.X, reg_data.y)
+    assert "prior_variance_source" not in other.hyper_trace_
+    assert other.hyper_strategy_ == "evidence"
+
+
+# ---------------------------------------------------------------------------------
+# Non-mutation, float32, pickling, errors
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task", ["regression", "classification"])
+def test_swag_leaves_pretrained_weights_untouched(task, request, module_guard):
+    data, net = _case(task, request)
+    net = copy.deepcopy(net)
+    net.module_.train()
+    for p in net.module_.parameters():
+        p.requires_grad_(True)
+    snap = module_guard.snapshot(net.module_)
+    est = _make(task, net, projector="subset-swag", subspace_dim=5, swag_n_steps=30).fit(
+        data.X, data.y)
+    module_guard.check(net.module_, snap)
+    theta = torch.cat([p.detach().reshape(-1) for p in net.module_.parameters()])
+    assert torch.equal(est.linearized_net_.flat_params(), theta)
+    # the SWAG run did move a copy: the chosen coordinates have positive variance
+    assert est.subspace_dim_ == 5
+
+
+@pytest.mark.parametrize("name", PROJECTORS)
+def test_float32_net_matches_float64(name, reg_data, reg_net):
+    m64 = copy.deepcopy(reg_net.module_).double()
+    m32 = copy.deepcopy(reg_net.module_).float()
+    kw = dict(projector=name, subspace_dim=6, swag_n_steps=20)
+    if name == "optimal":
+        kw["subspace_X"] = reg_data.X_test
+    a = _make("regression", m64, **kw).fit(reg_data.X, reg_data.y)
+    b = _make("regression", m32, **kw).fit(reg_data.X.astype(np.float32), reg_data.y)
+    sa = a.predict(reg_data.X_test, return_std=True)[1]
+    sb = b.predict(reg_data.X_test.astype(np.float32), return_std=True)[1]
+    np.testing.assert_allclose(sb, sa, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["lowrank-kfac", "subset-swag"])
+def test_pickle_round_trip(name, clf_data, clf_net):
+    est = _make("classification", clf_net, projector=name, subspace_dim=5).fit(
+        clf_data.X, clf_data.y)
+    back = pickle.loads(pickle.dumps(est))
+    np.testing.assert_array_equal(est.predict_proba(clf_data.X_test),
+                                  back.predict_proba(clf_data.X_test))
+    assert back.prior_variance_ == est.prior_variance_
+
+
+def test_clear_errors(reg_data, reg_net):
+    X, y = reg_data.X, reg_data.y
+    with pytest.raises(ValueError, match="projector"):
+        SubspaceLaplaceRegressor(reg_net, projector="lowrank-eigen", device="cpu").fit(X, y)
+    with pytest.raises(ValueError, match="subspace_dim"):
+        SubspaceLaplaceRegressor(reg_net, subspace_dim=0, device="cpu").fit(X, y)
+    big = nn.Sequential(nn.Linear(3, 100), nn.Tanh(), nn.Linear(100, 50), nn.Tanh(),
+                        nn.Linear(50, 1)).double()
+    with pytest.raises(ValueError, match="optimal.*p <= 5000"):
+        SubspaceLaplaceRegressor(big, projector="optimal", prior_variance=1.0, noise_variance=0.1,
+                                 device="cpu").fit(X, y)
+
+    class Normed(nn.Module):  # a LayerNorm: KFAC (curvlinops) does not support it
+        def __init__(self):
+            super().__init__()
+            self.a, self.n, self.b = nn.Linear(3, 8), nn.LayerNorm(8), nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.n(self.a(x))))
+
+    with pytest.raises(ValueError, match="KFAC.*lowrank-diag"):
+        SubspaceLaplaceRegressor(Normed().double(), device="cpu").fit(X, y)
+    # the other projectors work, with the subspace evidence for an "auto" prior
+    est = SubspaceLaplaceRegressor(Normed().double(), projector="lowrank-diag", subspace_dim=4,
+                                   device="cpu").fit(X, y)
+    assert "prior_variance_source" not in est.hyper_trace_
+
+
+def test_lowrank_stops_at_the_numerical_rank(reg_data, reg_net):
+    with pytest.warns(RuntimeWarning, match="numerically positive"):
+        est = _make("regression", reg_net, projector="lowrank-diag", subspace_dim=50,
+                    n_subset=5).fit(reg_data.X, reg_data.y)
+    assert est.subspace_dim_ == 5  # n_subset * C rows
+
+
+def test_random_state_draws_the_subset(reg_data, reg_net):
+    a = _make("regression", reg_net, projector="lowrank-kfac", subspace_dim=4, n_subset=10)
+    sa = a.fit(reg_data.X, reg_data.y).posterior_.subset_indices
+    sb = a.set_params(random_state=1).fit(reg_data.X, reg_data.y).posterior_.subset_indices
+    assert len(sa) == 10 and not np.array_equal(sa, sb)
+
+
+# ---------------------------------------------------------------------------------
+# SubspaceLaplace(likelihood=...)
+# ---------------------------------------------------------------------------------
+
+
+def test_subspace_laplace_follows_likelihood(reg_data, reg_net, clf_data, clf_net):
+    reg = SubspaceLaplace(reg_net, "regression", prior_variance=S0, noise_variance=S2,
+                          subspace_dim=5, device="cpu", random_state=0)
+    clf = SubspaceLaplace(clf_net, "classification", prior_variance=S0, subspace_dim=5,
+                          device="cpu", random_state=0)
+    assert is_regressor(reg) and not is_classifier(reg)
+    assert is_classifier(clf) and not is_regressor(clf)
+    assert not hasattr(reg, "predict_proba") and hasattr(reg, "sample_y")
+    assert hasattr(clf, "predict_proba") and not hasattr(clf, "sample_y")
+    reg.fit(reg_data.X, reg_data.y)
+    clf.fit(clf_data.X, clf_data.y)
+    want_reg = _make("regression", reg_net, subspace_dim=5).fit(reg_data.X, reg_data.y)
+    want_clf = _make("classification", clf_net, subspace_dim=5).fit(clf_data.X, clf_data.y)
+    np.testing.assert_array_equal(reg.predict(reg_data.X_test, return_std=True)[1],
+                                  want_reg.predict(reg_data.X_test, return_std=True)[1])
+    np.testing.assert_array_equal(clf.predict_proba(clf_data.X_test),
+                                  want_clf.predict_proba(clf_data.X_test))
+    np.testing.assert_array_equal(clf.predict(clf_data.X_test), want_clf.predict(clf_data.X_test))
+    assert clf.score(clf_data.X_test, clf_data.y_test) == want_clf.score(clf_data.X_test,
+                                                                         clf_data.y_test)
+    assert reg.sample_y(reg_data.X_test[:3], 2).shape == (3, 2)
+    with pytest.raises(ValueError, match="regression"):
+        clf.predict(clf_data.X_test, return_std=True)
+
+
+# ---------------------------------------------------------------------------------
+# Diagnostics
+# ---------------------------------------------------------------------------------
+
+
+def test_predictive_kl_regression_forms_agree():
+    rng = np.random.RandomState(0)
+    m0, m1 = rng.randn(5), rng.randn(5)
+    A, B = rng.randn(5, 5), rng.randn(5, 5)
+    S0_, S1_ = A @ A.T + np.eye(5), B @ B.T + np.eye(5)
+    # joint: the closed form
+    want = 0.5 * (np.trace(np.linalg.solve(S1_, S0_)) + (m1 - m0) @ np.linalg.solve(S1_, m1 - m0)
+                  - 5 + np.linalg.slogdet(S1_)[1] - np.linalg.slogdet(S0_)[1])
+    assert predictive_kl(m0, S0_, m1, S1_) == pytest.approx(want, rel=1e-12)
+    # variances == diagonal joint == (n, 1, 1) blocks, and the noise is added to both
+    v0, v1 = np.diag(S0_), np.diag(S1_)
+    a = predictive_kl(m0, v0, m1, v1, noise_variance=0.3)
+    b = predictive_kl(m0, np.diag(v0), m1, np.diag(v1), noise_variance=0.3)
+    c = predictive_kl(m0[:, None], v0[:, None, None], m1[:, None], v1[:, None, None],
+                      noise_variance=0.3)
+    assert a == pytest.approx(b, rel=1e-12) and a == pytest.approx(c, rel=1e-12)
+    assert predictive_kl(m0, S0_, m0, S0_) == pytest.approx(0.0, abs=1e-12)
+    with pytest.raises(ValueError, match="noise_variance"):
+        predictive_kl(m0, S0_, m0, np.zeros((5, 5)))
+
+
+def test_predictive_kl_classification_is_blockwise_probit():
+    rng = np.random.RandomState(1)
+    m = rng.randn(4, 3)
+    A = rng.randn(4, 3, 3)
+    Sp = A @ A.transpose(0, 2, 1)
+    Sq = 0.5 * Sp
+
+    def probit(m, S):
+        z = m / np.sqrt(1 + np.pi / 8 * np.einsum("ncc->nc", S))
+        e = np.exp(z - z.max(1, keepdims=True))
+        return e / e.sum(1, keepdims=True)
+
+    pp, pq = probit(m, Sp), probit(m, Sq)
+    want = (pp * np.log(pp / pq)).sum()
+    got = predictive_kl(m, Sp, m, Sq, likelihood="classification")
+    assert got == pytest.approx(want, rel=1e-10)
+    # a joint covariance: only its diagonal blocks count
+    joint = np.zeros((12, 12))
+    for i in range(4):
+        joint[3 * i:3 * i + 3, 3 * i:3 * i + 3] = Sp[i]
+    joint[0, 5] = joint[5, 0] = 0.3
+    assert predictive_kl(m, joint, m, Sq, likelihood="classification") == pytest.approx(got)
+    assert predictive_kl(m, Sp, m, Sq, likelihood="classification",
+                         reduction="mean") == pytest.approx(got / 4)
