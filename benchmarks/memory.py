@@ -365,7 +365,7 @@ def main():
     rows = []
     for n, fwd, ella in results:
         g = ella.get
-        K = g("n_components", 20)
+        K = g("n_components_", 20)  # the fitted K ("auto" chooses it)
         target = 1.5 * (K + 1)
         ratio = g("predict_s") / g("forward_s") if "predict_s" in ella else None
         ratio_cpu = g("predict_cpu_s") / g("forward_cpu_s") if "predict_s" in ella else None
