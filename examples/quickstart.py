@@ -1,13 +1,18 @@
-"""Quick start: calibrated error bars for a pretrained skorch regressor.
+"""
+Quick start: calibrated error bars for a pretrained skorch regressor
+=====================================================================
 
 A small tanh MLP is trained with skorch on a 1-D problem with a gap in the data. The
 fitted net is handed to :class:`~sklearn_lla.LLARegressor` (exact linearized Laplace)
 and :class:`~sklearn_lla.ELLARegressor` (its Nystrom approximation); neither changes
-the net. The script saves two plots to ``examples/output/``:
+the net. The plots use the displays of :mod:`sklearn_lla.plotting`, and the script
+saves them to ``examples/output/``:
 
-* ``quickstart_bands.png``: the net's prediction with +-2 std predictive bands;
+* ``quickstart_bands.png``: the net's prediction with +-1 and +-2 std predictive
+  bands (:class:`~sklearn_lla.plotting.PredictiveBandDisplay`);
 * ``quickstart_calibration.png``: the centred-quantile calibration curve (fraction of
-  test targets inside each central interval) against the ideal diagonal.
+  test targets inside each central interval) against the ideal diagonal
+  (:class:`~sklearn_lla.plotting.CalibrationCurveDisplay`).
 """
 
 from pathlib import Path
@@ -21,14 +26,15 @@ import torch  # noqa: E402
 from skorch import NeuralNetRegressor  # noqa: E402
 
 from sklearn_lla import ELLARegressor, LLARegressor  # noqa: E402
-from sklearn_lla.metrics import (  # noqa: E402
-    calibration_curve_regression,
-    centered_quantile_metric,
-    gaussian_nll,
-)
+from sklearn_lla.metrics import centered_quantile_metric, gaussian_nll  # noqa: E402
 from sklearn_lla.nets import MLP  # noqa: E402
+from sklearn_lla.plotting import CalibrationCurveDisplay, PredictiveBandDisplay  # noqa: E402
 
-OUT = Path(__file__).resolve().parent / "output"
+try:
+    HERE = Path(__file__).resolve().parent
+except NameError:  # run by sphinx-gallery (``make docs``), from the examples directory
+    HERE = Path.cwd()
+OUT = HERE / "output"
 OUT.mkdir(exist_ok=True)
 
 # --- data: y = sin(2x) + noise, with no training data in (-0.5, 1) -------------------
@@ -56,37 +62,34 @@ lla = LLARegressor(net, random_state=0).fit(X, y)
 ella = ELLARegressor(net, n_nystrom=200, n_components=20, prior_variance=lla.prior_variance_,
                      noise_variance=lla.noise_variance_, random_state=0).fit(X, y)
 models = {"exact LLA": lla, "ELLA (M=200, K=20)": ella}
-grid = np.linspace(-4, 4, 400)[:, None]
+
+# %%
+# Predictive bands: +-1 and +-2 standard deviations of the predictive distribution of y
+# (network uncertainty plus noise). They widen in the gap and outside the data.
+grid = np.linspace(-4, 4, 400)
 fig, axes = plt.subplots(1, len(models), figsize=(11, 4), sharey=True)
 for ax, (name, model) in zip(axes, models.items()):
-    mean, std = model.predict(grid, return_std=True)
-    mean, std = mean.ravel(), std.ravel()
-    ax.fill_between(grid[:, 0], mean - 2 * std, mean + 2 * std, alpha=0.3,
-                    label="+-2 std (predictive)")
-    ax.plot(grid[:, 0], mean, lw=2, label="network output")
-    ax.scatter(X[:, 0], y[:, 0], s=6, c="k", alpha=0.5, label="training data")
+    PredictiveBandDisplay.from_estimator(model, X, y, grid=grid, n_std=(1, 2), ax=ax,
+                                         name=name)
     m_t, s_t = model.predict(X_test, return_std=True)
     ax.set_title(f"{name}\ntest NLL {gaussian_nll(y_test, m_t, s_t):.3f}, "
                  f"CQM {centered_quantile_metric(y_test, m_t, s_t):.3f}")
-    ax.set_xlabel("x")
-axes[0].set_ylabel("y")
-axes[0].legend(loc="lower left", fontsize=8)
+    ax.legend(loc="lower left", fontsize=8)
 fig.tight_layout()
 fig.savefig(OUT / "quickstart_bands.png", dpi=120)
 
+# %%
+# Calibration: the fraction of test targets inside each central interval of level
+# alpha. On the diagonal the intervals are calibrated; the CQM is the area between.
 fig, ax = plt.subplots(figsize=(4.5, 4.5))
-ax.plot([0, 1], [0, 1], "k--", label="ideal")
 for name, model in models.items():
-    m_t, s_t = model.predict(X_test, return_std=True)
-    alphas, gamma = calibration_curve_regression(y_test, m_t, s_t)
-    ax.plot(alphas, gamma, "o-", label=name)
-ax.set_xlabel("nominal central interval alpha")
-ax.set_ylabel("fraction of test targets inside")
-ax.set_title("CQM calibration curve")
-ax.legend()
+    CalibrationCurveDisplay.from_estimator(model, X_test, y_test, name=name, ax=ax)
+ax.set_title("CQM calibration curve (test data)")
 fig.tight_layout()
 fig.savefig(OUT / "quickstart_calibration.png", dpi=120)
 
+# %%
+# The chosen hyperparameters and the test metrics.
 for name, model in models.items():
     m_t, s_t = model.predict(X_test, return_std=True)
     print(f"{name:>20}: prior_variance_={model.prior_variance_:.3g} "

@@ -1,4 +1,6 @@
-"""Sampled LLA on a 1-D regression with a gap: samples against exact LLA.
+"""
+Sampled LLA on a 1-D regression with a gap: samples against exact LLA
+=====================================================================
 
 Trains a small tanh MLP, then fits exact LLA and sampled LLA (64 posterior samples,
 EM for the prior and noise variances) on it and plots both predictive bands. Saves

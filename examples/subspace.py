@@ -1,4 +1,6 @@
-"""Subspace Laplace: how close each projector gets to exact LLA as s grows.
+"""
+Subspace Laplace: how close each projector gets to exact LLA as s grows
+=======================================================================
 
 A small tanh MLP is trained on a 1-D regression problem with a gap in the data. Exact
 LLA is the reference; :class:`~sklearn_lla.subspace.SubspaceLaplaceRegressor` is fitted
