@@ -14,6 +14,7 @@ Usage::
 
     python benchmarks/bench_sampled.py            # both parts (about 5 minutes, 1 thread)
     python benchmarks/bench_sampled.py --quick    # smoke run
+    python benchmarks/bench_sampled.py --ks 8,32,128   # a shorter part 1
 """
 
 from __future__ import annotations
@@ -107,9 +108,10 @@ def main():
     ap.add_argument("--max-iter", type=int, default=200)
     ap.add_argument("--em-steps", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--ks", default="8,32,128,512", help="comma-separated K of part 1")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    Ks = (8, 32) if args.quick else (8, 32, 128, 512)
+    Ks = (8, 32) if args.quick else tuple(int(k) for k in args.ks.split(","))
     P, rows = fidelity(Ks, 200 if args.quick else 1000, args.device)
     print(f"\n## Fidelity (small MLP, P = {P}, N = 300, s0^2 = 0.1, s2 = 0.01)\n")
     print("| method | Adam steps | fit time (s) | mean KL(exact || method) |")

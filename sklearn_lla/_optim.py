@@ -5,6 +5,8 @@ drawn by :func:`minibatches`, with
 
 * early stopping on a validation score (lower is better) evaluated every
   ``validation_freq`` steps, restoring the best state at the end;
+* an optional learning-rate schedule (``lr_schedule``: constant by default, or a
+  cosine / step decay over ``max_iter``, or any ``step -> factor`` callable);
 * a progress bar (tqdm) when ``verbose``;
 * a clear error on a non-finite loss or gradient (naming the step), never a silent
   NaN state;
@@ -14,6 +16,7 @@ drawn by :func:`minibatches`, with
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -22,7 +25,10 @@ import numpy as np
 import torch
 from sklearn.exceptions import ConvergenceWarning
 
-__all__ = ["OptimResult", "minibatches", "minimize"]
+__all__ = ["OptimResult", "lr_factor", "minibatches", "minimize"]
+
+#: Named learning-rate schedules of :func:`minimize` (see :func:`lr_factor`).
+LR_SCHEDULES = ("constant", "cosine", "step")
 
 
 @dataclass
@@ -60,8 +66,14 @@ def minibatches(data, batch_size: int, generator: torch.Generator) -> Iterator:
     """Endless shuffled minibatches ``(x, y)`` of a :class:`~sklearn_lla._protocol.FitData`.
 
     Each epoch is a fresh permutation drawn from ``generator``; rows are read per
-    batch, so the cost of a step does not depend on the number of rows.
+    batch, so the cost of a step does not depend on the number of rows. A FitData
+    draws them itself (:meth:`~sklearn_lla._protocol.FitData.minibatches`: the same
+    draws up to ``MINIBATCH_CACHE_ROWS`` rows, then grouped blocks; numpy, memmap
+    and dask inputs alike).
     """
+    if hasattr(data, "minibatches"):
+        yield from data.minibatches(batch_size, generator)
+        return
     n = data.n_samples
     bs = min(int(batch_size), n)
     while True:
@@ -70,10 +82,56 @@ def minibatches(data, batch_size: int, generator: torch.Generator) -> Iterator:
             yield data.rows(perm[start:start + bs])
 
 
+def lr_factor(schedule, step: int, max_iter: int, final_factor: float = 0.01) -> float:
+    """Multiplier of the base learning rate at ``step`` (1-based) of ``max_iter``.
+
+    Parameters
+    ----------
+    schedule : {"constant", "cosine", "step"} or callable
+        ``"constant"``: 1. ``"cosine"``: half a cosine from 1 at step 1 down to
+        ``final_factor`` at ``max_iter``, ``f + (1 - f) (1 + cos(pi t)) / 2`` with
+        ``t = (step - 1) / (max_iter - 1)``. ``"step"``: 1, then divided by 10 after
+        50 % and again after 75 % of ``max_iter`` (floored at ``final_factor``). A
+        callable ``schedule(step, max_iter) -> float`` is used as it is.
+    step : int
+        The step about to be taken (1-based).
+    max_iter : int
+        The number of steps of the run.
+    final_factor : float, default=0.01
+        The factor reached at the end of a ``"cosine"`` run (and the floor of
+        ``"step"``).
+
+    Returns
+    -------
+    float
+
+    Examples
+    --------
+    >>> from sklearn_lla._optim import lr_factor
+    >>> [round(lr_factor("cosine", s, 5, final_factor=0.0), 3) for s in range(1, 6)]
+    [1.0, 0.854, 0.5, 0.146, 0.0]
+    >>> [lr_factor("step", s, 8) for s in (1, 4, 5, 7)]
+    [1.0, 1.0, 0.1, 0.01]
+    """
+    if callable(schedule):
+        return float(schedule(step, max_iter))
+    if schedule == "constant":
+        return 1.0
+    t = (step - 1) / max(max_iter - 1, 1)
+    if schedule == "cosine":
+        return final_factor + (1.0 - final_factor) * 0.5 * (1.0 + math.cos(math.pi * t))
+    if schedule == "step":
+        frac = step / max_iter
+        return max(0.01 if frac > 0.75 else 0.1 if frac > 0.5 else 1.0, final_factor)
+    raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES} or a callable, "
+                     f"got {schedule!r}")
+
+
 def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: int,
              lr: float = 1e-3, validation: Callable | None = None, validation_freq: int = 100,
              early_stopping: bool = True, n_iter_no_change: int = 5, verbose: int = 0,
-             desc: str = "optimising") -> OptimResult:
+             desc: str = "optimising", lr_schedule="constant",
+             final_lr_factor: float = 0.01) -> OptimResult:
     """Minimise ``loss_fn(batch)`` over ``params`` with Adam.
 
     Parameters
@@ -102,11 +160,19 @@ def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: in
         ``>= 1`` shows a progress bar.
     desc : str, default="optimising"
         Label of the progress bar and of error messages.
+    lr_schedule : {"constant", "cosine", "step"} or callable, default="constant"
+        Learning rate of step ``t``: ``lr * lr_factor(lr_schedule, t, max_iter,
+        final_lr_factor)`` (see :func:`lr_factor`). A decaying schedule lets the
+        iterates of a stochastic (minibatch) objective settle instead of hovering at
+        a noise floor set by ``lr``.
+    final_lr_factor : float, default=0.01
+        The last step's factor for ``"cosine"`` (and the floor of ``"step"``).
 
     Returns
     -------
     OptimResult
     """
+    lr_factor(lr_schedule, 1, max_iter, final_lr_factor)  # validates the schedule
     opt = torch.optim.Adam(params, lr=lr)
     res = OptimResult()
     best_score, best_state, bad = np.inf, None, 0
@@ -134,6 +200,9 @@ def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: in
     try:
         for step in range(1, max_iter + 1):
             batch = next(batches)
+            if lr_schedule != "constant":
+                for group in opt.param_groups:
+                    group["lr"] = lr * lr_factor(lr_schedule, step, max_iter, final_lr_factor)
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(batch)
             if not bool(torch.isfinite(loss)):

@@ -1,4 +1,4 @@
-"""Sampled LLA: linearised Laplace by sample-then-optimise, with EM prior learning.
+"""Sampled LLA: linearised Laplace by sample-then-optimise (EM or validation hyperparameters).
 
 LLA is the posterior of the linear model ``f(x, theta) = g(x) + J(x) (theta - theta_hat)``
 with prior ``theta ~ N(0, A^-1)``, ``A = alpha diag(1 / s^2)`` (``s = 1`` unless the
@@ -16,7 +16,20 @@ Antoran et al. (ICLR 2023), nothing ``P x P`` or ``NC x NC`` is ever formed:
   gradients; the data term of a minibatch of ``B`` rows is scaled by ``N / B``.
   The optimisation runs in prior-whitened coordinates ``u = z / sigma``
   (``sigma = s0 s``), where Adam's learning rate is relative to the prior's scale.
-* **M-step** (``prior_variance="auto"``). The effective dimension
+* **Hyperparameters with held-out rows** (the default ``hyper_strategy="auto"`` when
+  the data carries validation rows; ``"validation"``). Validation NLL, as the GLM
+  methods: a scan over increasing prior variances ``s0^2 = ||theta_hat / s||^2 / P x
+  PRIOR_GRID`` (``1e-2 .. 1e2``, two per decade), each a warm-started E-step of
+  ``max_iter // 4`` steps (the previous solution kept in whitened coordinates), scored
+  on the validation rows; it stops after two candidates in a row that score clearly
+  worse than the best. Regression: ``s2`` starts at the network's mean squared
+  validation residual, and for each scanned prior every exact rescaling
+  ``(c s0^2, c s2)``, ``c`` in ``NOISE_GRID`` (``0.1 .. 10``), is scored too: the
+  samples at ``(c s0^2, c s2)`` are ``sqrt(c)`` times those at ``(s0^2, s2)`` with the
+  same draws, so the predictive is ``N(g, c (cov + s2))`` exactly. After the final
+  E-step, ``c`` is re-chosen with the kept samples.
+* **M-step** (``hyper_strategy="em"``, and the default without held-out rows:
+  Antoran et al.'s EM). The effective dimension
   ``gamma = (1/K) sum_k sum_n (J_n zeta_k)^T Lam_n (J_n zeta_k)`` (function-space
   estimator, one pass) and ``alpha = gamma / ||theta_bar / s||^2``. Between EM steps
   the perturbations are rescaled, never redrawn (in whitened coordinates
@@ -27,17 +40,20 @@ Antoran et al. (ICLR 2023), nothing ``P x P`` or ``NC x NC`` is ever formed:
   (``zeta`` has known mean zero), ``C x C`` per point.
 
 Memory is ``O(P K)`` (the samples, their perturbations and Adam's moments) plus one
-minibatch; time is ``O(max_iter)`` JVP/VJP pairs with ``K + 1`` tangents per E-step.
+minibatch; time is ``O(max_iter)`` JVP/VJP pairs with ``K + 1`` tangents per E-step
+(the gradient is assembled by hand from one VJP: no autograd graph through them).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from numbers import Integral, Real
 
 import numpy as np
 import torch
-from sklearn.utils._param_validation import Interval
+from sklearn.exceptions import ConvergenceWarning
+from sklearn.utils._param_validation import Interval, StrOptions
 
 from ._base import (
     CLASSIFIER_CONSTRAINTS,
@@ -45,7 +61,7 @@ from ._base import (
     LaplaceClassifierMixin,
     LaplaceRegressorMixin,
 )
-from ._hyper import EM, Fixed
+from ._hyper import EM, Fixed, HyperResult, ValidationGrid
 from ._optim import minibatches, minimize
 from ._protocol import LatentPredictive, Posterior
 
@@ -59,28 +75,43 @@ G_PRIOR_FLOOR = 1e-4
 #: Steps between the checks of the windowed objective when ``early_stopping``.
 _CHECK_FREQ = 50
 
+#: Prior variances of the validation scan, in units of ``||theta_hat / s||^2 / P``
+#: (scanned upwards; the lowest is close to the raw network's own predictive).
+PRIOR_GRID = np.logspace(-2, 2, 9)
+
+#: Rescalings ``c`` of ``(s0^2, s2)`` scored for each scanned prior (regression).
+NOISE_GRID = np.logspace(-1, 1, 21)
+
+#: Fraction of ``max_iter`` given to each (warm-started) E-step of the validation scan.
+_SCAN_FRACTION = 0.25
+
+#: The scan stops after this many candidates in a row scoring worse than the best by
+#: more than ``_SCAN_TOL`` (relative).
+_SCAN_PATIENCE = 2
+_SCAN_TOL = 1e-3
+
 
 def _flat(grads: dict, names, K) -> torch.Tensor:
     return torch.cat([grads[n].reshape(K, -1) for n in names], dim=1)
 
 
-class _JacobianProducts(torch.autograd.Function):
-    """``J(x) t_k`` for tangents ``T`` (K, P); backward is the VJP with K cotangents."""
+class _HandGradient(torch.autograd.Function):
+    """``value``, with the gradient ``grad`` w.r.t. ``V`` (assembled by hand).
+
+    The E-step objective is a quadratic (or, for the mode, a GLM) in ``V`` whose
+    gradient is one VJP of hand-made output cotangents: building it by hand spares
+    autograd's graph through the Jacobian products.
+    """
 
     @staticmethod
-    def forward(ctx, T, x, lin):
-        g, jt = lin.jvp(x, T)
-        ctx.lin, ctx.x = lin, x
-        g = g.to(_F64)
-        ctx.mark_non_differentiable(g)
-        return g, jt.to(_F64)
+    def forward(ctx, V, value, grad):
+        ctx.save_for_backward(grad)
+        return value.clone()
 
     @staticmethod
-    def backward(ctx, grad_g, grad_jt):
-        lin = ctx.lin
-        K = grad_jt.shape[-1]
-        grads = lin.vjp(ctx.x, grad_jt.permute(2, 0, 1).contiguous())
-        return _flat(grads, lin.names, K).to(_F64), None, None
+    def backward(ctx, grad_out):
+        (grad,) = ctx.saved_tensors
+        return grad_out * grad, None, None
 
 
 def _sample_cov(jz: torch.Tensor) -> torch.Tensor:
@@ -89,22 +120,30 @@ def _sample_cov(jz: torch.Tensor) -> torch.Tensor:
 
 
 class SampledLLAPosterior(Posterior):
-    """Sample-then-optimise linearised Laplace posterior with EM hyperparameters.
+    """Sample-then-optimise linearised Laplace posterior.
 
     Parameters
     ----------
     prior_variance : float or "auto"
-        ``s0^2 = 1 / alpha``; ``"auto"`` learns it by EM.
+        ``s0^2 = 1 / alpha``; ``"auto"`` is chosen by ``hyper``.
     noise_variance : float, "auto" or None
         ``s2`` (regression) or ``None`` (classification).
+    hyper : {"auto", "validation", "em"}, default="auto"
+        Strategy for ``"auto"`` values: ``"auto"`` uses ``"validation"`` when the data
+        carries held-out rows and ``"em"`` otherwise.
     n_posterior_samples : int, default=64
         ``K``.
     n_em_steps : int, default=3
-        EM iterations when a hyperparameter is ``"auto"``.
-    max_iter : int, default=1000
-        Adam steps per E-step.
-    learning_rate : float, default=0.05
-        Adam's learning rate (in prior-whitened coordinates).
+        EM iterations (``hyper="em"``).
+    max_iter : int, default=300
+        Adam steps per E-step (``max_iter // 4`` per candidate of the validation scan).
+    learning_rate : float, default=0.1
+        Adam's (initial) learning rate, in prior-whitened coordinates.
+    lr_schedule : {"auto", "cosine", "constant", "step"}, default="auto"
+        Learning-rate schedule of each E-step (:func:`sklearn_lla._optim.lr_factor`);
+        ``"auto"``: ``"constant"`` when one minibatch holds every training row (a
+        deterministic objective), ``"cosine"`` otherwise (the decay averages the
+        minibatch noise out).
     early_stopping : bool, default=False
         End an E-step when the objective, averaged over windows of 50 steps, decreases
         by less than ``tol`` (relative) ``n_iter_no_change`` times in a row.
@@ -115,24 +154,31 @@ class SampledLLAPosterior(Posterior):
     g_prior : bool, default=False
         Per-parameter prior scales ``s = 1 / sqrt(diag GGN)`` (normalised to mean one,
         the diagonal floored at ``1e-4``: ``s <= 100``).
+    validation_grid : ValidationGrid or None, default=None
+        The prior factors (scanned in increasing order) and noise factors of
+        ``hyper="validation"``; ``None``: :data:`PRIOR_GRID` and :data:`NOISE_GRID`.
     """
 
     fitted_attributes = ("prior_variance", "likelihood", "hyper_strategy", "hyper_trace",
                          "samples", "mode", "effective_dim", "prior_scale", "n_iter")
 
-    def __init__(self, prior_variance="auto", noise_variance=None, *, n_posterior_samples=64,
-                 n_em_steps=3, max_iter=1000, learning_rate=0.05, early_stopping=False,
-                 tol=1e-4, n_iter_no_change=3, g_prior=False):
+    def __init__(self, prior_variance="auto", noise_variance=None, *, hyper="auto",
+                 n_posterior_samples=64, n_em_steps=3, max_iter=300, learning_rate=0.1,
+                 lr_schedule="auto", early_stopping=False, tol=1e-4, n_iter_no_change=3,
+                 g_prior=False, validation_grid=None):
         self.prior_variance = prior_variance
         self.noise_variance = noise_variance
+        self.hyper = hyper
         self.n_posterior_samples = int(n_posterior_samples)
         self.n_em_steps = int(n_em_steps)
         self.max_iter = int(max_iter)
         self.learning_rate = float(learning_rate)
+        self.lr_schedule = lr_schedule
         self.early_stopping = bool(early_stopping)
         self.tol = float(tol)
         self.n_iter_no_change = int(n_iter_no_change)
         self.g_prior = bool(g_prior)
+        self.validation_grid = validation_grid or ValidationGrid(PRIOR_GRID, NOISE_GRID)
 
     # ------------------------------------------------------------------ helpers
     def _ggn_diag(self, data):
@@ -182,8 +228,53 @@ class SampledLLAPosterior(Posterior):
             n += y.numel()
         return max(r2 / n, 1e-12)
 
+    def _validation_nll(self, data, lik, factors, s2_ref, eps_cache):
+        """Mean validation NLL of the current samples, rescaled by each factor ``c``.
+
+        Regression: the samples for ``(c s0^2, c s2)`` are ``sqrt(c)`` times those for
+        ``(s0^2, s2)`` (same draws), so the predictive is ``N(g, c (cov + s2))``
+        exactly; classification has ``factors = [1]``.
+        """
+        out = np.zeros(len(factors))
+        n = 0
+        for b, (x, y) in enumerate(data.validation.batches()):
+            g, jz = data.lin.jvp(x, self._Z)
+            g, cov = g.to(_F64), _sample_cov(jz.to(_F64))
+            eps = None
+            if getattr(lik, "link_approx", None) == "mc":
+                if b not in eps_cache:
+                    eps_cache[b] = torch.randn((lik.n_samples, *g.shape), dtype=_F64,
+                                               generator=data.generator).to(data.device)
+                eps = eps_cache[b]
+            for j, c in enumerate(factors):
+                lk = lik.with_noise(c * s2_ref) if self._regression else lik
+                out[j] -= float(lk.log_predictive(g, c * cov, y, eps=eps).sum())
+            n += g.shape[0]
+        out /= max(n, 1)
+        return np.where(np.isfinite(out), out, np.inf)
+
+    def _strategy(self, data, fit_prior, fit_noise):
+        if not (fit_prior or fit_noise):
+            return "fixed"
+        hyper = self.hyper
+        if hyper == "auto":
+            hyper = "validation" if data.validation is not None else "em"
+        if hyper not in ("validation", "em"):
+            raise ValueError(f"hyper_strategy must be 'auto', 'validation' or 'em', got "
+                             f"{hyper!r}")
+        if hyper == "validation" and data.validation is None:
+            raise ValueError("hyper_strategy='validation' needs held-out data: pass "
+                             "validation_data to fit")
+        return hyper
+
+    def _schedule(self, data):
+        """``"auto"``: constant when one minibatch holds every row, else cosine."""
+        if self.lr_schedule != "auto":
+            return self.lr_schedule
+        return "constant" if data.n_samples <= data.batch_size else "cosine"
+
     # ------------------------------------------------------------------ E-step
-    def _e_step(self, data, lik, sigma, desc):
+    def _e_step(self, data, lik, sigma, desc, max_iter=None):
         """Optimise the mode (column 0) and the K samples together; updates state."""
         lin, N = data.lin, data.n_samples
         K = self.n_posterior_samples
@@ -194,14 +285,24 @@ class SampledLLAPosterior(Posterior):
         def loss_fn(batch):
             x, y = batch
             scale = N / x.shape[0]
-            g, jt = _JacobianProducts.apply(V * sigma, x, lin)
-            A = lik.lam_factor(g)
-            data_mode = -lik.log_prob(g + jt[..., 0], y).sum()
-            data_samples = 0.5 * torch.einsum("bcd,bck->bdk", A, jt[..., 1:]).pow(2).sum()
-            prior = 0.5 * ((w_hat + V[0]).pow(2).sum() + (V[1:] - U_n).pow(2).sum())
-            loss = (scale * (data_mode + data_samples) + prior) / (K + 1)
-            window.append(float(loss.detach()))
-            return loss
+            with torch.no_grad():
+                g, jt = lin.jvp(x, V * sigma)
+                g, jt = g.to(_F64), jt.to(_F64)
+                f = g + jt[..., 0]
+                A = lik.lam_factor(g)
+                ajz = torch.einsum("bcd,bck->bdk", A, jt[..., 1:])  # A^T J z_k
+                r0, r = w_hat + V[0], V[1:] - U_n
+                value = (scale * (0.5 * ajz.pow(2).sum() - lik.log_prob(f, y).sum())
+                         + 0.5 * (r0.pow(2).sum() + r.pow(2).sum())) / (K + 1)
+                # output cotangents: -d log p / df (mode), Lam J z_k (samples)
+                cot = torch.cat([-lik.grad(f, y)[None],
+                                 torch.einsum("bcd,bdk->kbc", A, ajz)])
+                grad = _flat(lin.vjp(x, cot), lin.names, K + 1).to(_F64).mul_(scale * sigma)
+                grad[0] += r0
+                grad[1:] += r
+                grad /= K + 1
+            window.append(float(value))
+            return _HandGradient.apply(V, value, grad)
 
         window, state = [], {"ref": math.inf}
 
@@ -214,18 +315,66 @@ class SampledLLAPosterior(Posterior):
 
         es = self.early_stopping
         res = minimize(loss_fn, [V], minibatches(data, data.batch_size, data.generator),
-                       max_iter=self.max_iter, lr=self.learning_rate,
+                       max_iter=max_iter or self.max_iter, lr=self.learning_rate,
                        validation=windowed if es else None, validation_freq=_CHECK_FREQ,
                        early_stopping=es, n_iter_no_change=self.n_iter_no_change,
-                       verbose=data.verbose, desc=desc)
+                       verbose=data.verbose, desc=desc, lr_schedule=self._schedule(data))
         with torch.no_grad():
             W = V.detach() * sigma
         self._delta, self._Z = W[0].clone(), W[1:].clone()
+        self.n_iter.append(res.n_iter)
         return res
+
+    # ------------------------------------------------------------ hyperparameters
+    def _validation_scan(self, data, lik, scale, base, s2_ref, fit_prior, fit_noise):
+        """Choose ``"auto"`` values by validation NLL (see the module docstring)."""
+        if not fit_prior:  # a given prior: s2 is the mean squared validation residual
+            return HyperResult(float(self.prior_variance), s2_ref, "validation",
+                               {"noise_variance": np.array([s2_ref])})
+        grid = self.validation_grid
+        s0s = base * np.sort(np.asarray(grid.prior_grid, dtype=np.float64))
+        factors = np.asarray(grid.noise_grid, dtype=np.float64) if fit_noise else np.ones(1)
+        scan_iter = max(1, math.ceil(self.max_iter * _SCAN_FRACTION))
+        scores, best, bad, eps_cache = [], None, 0, {}
+        self._Z = self._eps0 * math.sqrt(s0s[0]) * scale
+        for i, s0 in enumerate(s0s):
+            if i:  # warm start: the previous solution in whitened coordinates
+                self._Z *= math.sqrt(s0 / s0s[i - 1])
+            with warnings.catch_warnings():  # short warm-started runs, by design
+                warnings.simplefilter("ignore", ConvergenceWarning)
+                self._e_step(data, lik, math.sqrt(s0) * scale,
+                             f"SampledLLA validation scan {i + 1}/{len(s0s)}", scan_iter)
+            row = self._validation_nll(data, lik, factors, s2_ref, eps_cache)
+            scores.append(row)
+            j = int(np.argmin(row))
+            if best is None or row[j] < best[0]:
+                best, bad = (row[j], i, j, self._delta.clone(), self._Z.clone()), 0
+            elif row[j] > best[0] + _SCAN_TOL * abs(best[0]):
+                bad += 1
+                if bad >= _SCAN_PATIENCE:
+                    break
+            else:  # within the tolerance of the best: not a clearly worse candidate
+                bad = 0
+        score, i, j, self._delta, self._Z = best
+        if not np.isfinite(score):
+            raise FloatingPointError(
+                "the validation NLL is not finite for any candidate hyperparameter")
+        c = float(factors[j])
+        self._Z *= math.sqrt(c)  # exact samples at (c s0^2, c s2): same draws
+        self._S /= math.sqrt(c)  # Lam^(1/2) = I / sqrt(c s2)
+        tried = s0s[:len(scores)]
+        s2s = None if s2_ref is None else s2_ref * factors
+        ValidationGrid._warn_edges(i, j, s0s, factors, "auto", "auto" if fit_noise else 1.0)
+        trace = {"prior_variance": tried, "noise_variance": s2s,
+                 "rescaled_prior_variance": np.outer(tried, factors),
+                 "score": np.asarray(scores), "best_score": float(score),
+                 "scan_iter": scan_iter}
+        return HyperResult(float(s0s[i] * c), None if s2_ref is None else float(s2_ref * c),
+                           "validation", trace)
 
     # --------------------------------------------------------------------- fit
     def fit(self, data):
-        """Learn the hyperparameters by EM (when ``"auto"``) and draw the samples."""
+        """Choose the ``"auto"`` hyperparameters and draw the posterior samples."""
         lin, lik = data.lin, data.likelihood
         N, C, P, K = data.n_samples, data.n_outputs, lin.n_params, self.n_posterior_samples
         self._regression = self.noise_variance is not None
@@ -238,13 +387,13 @@ class SampledLLAPosterior(Posterior):
         self.prior_scale = scale
         fit_prior = self.prior_variance == "auto"
         fit_noise = self._regression and self.noise_variance == "auto"
-        s0 = (float((self._theta_hat / scale).pow(2).sum()) / P if fit_prior
-              else float(self.prior_variance))
-        s0 = max(s0, 1e-12)
+        strategy = self._strategy(data, fit_prior, fit_noise)
+        base = max(float((self._theta_hat / scale).pow(2).sum()) / P, 1e-12)
+        s0 = base if fit_prior else max(float(self.prior_variance), 1e-12)
         noise_source = None
         if fit_noise:
             if data.validation is not None:
-                s2, fit_noise, noise_source = self._validation_noise(data), False, "validation"
+                s2, noise_source = self._validation_noise(data), "validation"
             else:
                 r2 = sum(float((y - lin.forward(x).to(_F64)).pow(2).sum())
                          for x, y in data.batches())
@@ -260,17 +409,66 @@ class SampledLLAPosterior(Posterior):
         self._delta = torch.zeros(P, dtype=_F64, device=data.device)
         self._Z = self._eps0 * math.sqrt(s0) * scale
         self.n_iter = []
+        if strategy == "validation":
+            result = self._validation_scan(data, lik, scale, base, s2, fit_prior, fit_noise)
+            s0, s2 = result.prior_variance, result.noise_variance
+            if self._regression:
+                lik = lik.with_noise(s2)
+        elif strategy == "em":
+            result, lik = self._em(data, lik, scale, s0, s2, fit_prior,
+                                   fit_noise and noise_source == "em")
+            s0, s2 = result.prior_variance, result.noise_variance
+        else:
+            result = Fixed().select(s0, s2)
+        if self._regression:
+            result.trace["noise_source"] = noise_source
+        # final E-step at the chosen hyperparameters (perturbations rescaled, warm start)
+        res = self._e_step(data, lik, math.sqrt(s0) * scale, "SampledLLA samples")
+        if strategy == "validation" and fit_prior and fit_noise:
+            s0, s2, lik = self._refit_scale(data, lik, s0, s2, result.trace)
+        gamma, _ = self._statistics(data, lik, self._delta, self._Z)
+        result.trace["optimisation"] = res.as_dict()
+        result.trace["lr_schedule"] = self._schedule(data)
+        self.prior_variance = float(s0)
+        self.likelihood = lik
+        self.hyper_strategy, self.hyper_trace = result.strategy, result.trace
+        self.samples = self._Z
+        self.mode = self._theta_hat + self._delta
+        self.effective_dim = gamma
+        self.lin = lin
+        for name in ("_eps0", "_S", "_Z", "_delta", "_theta_hat"):
+            delattr(self, name)
+        return self
+
+    def _refit_scale(self, data, lik, s0, s2, trace):
+        """Re-choose the exact rescaling ``(c s0^2, c s2)`` with the final samples.
+
+        The scan scored samples after ``max_iter * 0.25`` steps; the final E-step
+        moves them further, and the free scale ``c`` is re-chosen on the validation
+        rows with the samples that are kept, so that the predictive is the one scored.
+        """
+        factors = np.asarray(self.validation_grid.noise_grid, dtype=np.float64)
+        row = self._validation_nll(data, lik, factors, s2, {})
+        j = int(np.argmin(row))
+        if not np.isfinite(row[j]):
+            raise FloatingPointError("the validation NLL of the final samples is not finite")
+        c = float(factors[j])
+        self._Z *= math.sqrt(c)
+        trace.update(final_factor=c, final_score=float(row[j]))
+        return s0 * c, s2 * c, lik.with_noise(s2 * c)
+
+    def _em(self, data, lik, scale, s0, s2, fit_prior, fit_noise):
+        """The paper's EM: ``n_em_steps`` (E-step, M-step) pairs."""
+        N, C = data.n_samples, data.n_outputs
         state = {"s2": s2, "lik": lik}
 
         def step(prior_variance):
             it = len(self.n_iter) + 1
-            res = self._e_step(data, state["lik"], math.sqrt(prior_variance) * scale,
-                               f"SampledLLA E-step {it}/{self.n_em_steps}")
-            self.n_iter.append(res.n_iter)
+            self._e_step(data, state["lik"], math.sqrt(prior_variance) * scale,
+                         f"SampledLLA E-step {it}/{self.n_em_steps}")
             gamma, rss = self._statistics(data, state["lik"], self._delta, self._Z)
             w_sq = float(((self._theta_hat + self._delta) / scale).pow(2).sum())
-            info = {"effective_dim": gamma, "mode_sq_norm": w_sq, "n_iter": res.n_iter,
-                    "loss": res.loss_history[-1] if res.loss_history else float("nan")}
+            info = {"effective_dim": gamma, "mode_sq_norm": w_sq, "n_iter": self.n_iter[-1]}
             new = max(w_sq / max(gamma, 1e-12), 1e-12) if fit_prior else prior_variance
             if fit_noise:
                 s2_new = max(rss / max(N * C - gamma, 1.0), 1e-12)
@@ -280,29 +478,9 @@ class SampledLLAPosterior(Posterior):
             info["prior_variance"] = new
             return new, info
 
-        if fit_prior or fit_noise:
-            result = EM(self.n_em_steps).run(step, s0, s2)
-            s0 = result.prior_variance
-            result.noise_variance = state["s2"]
-        else:
-            result = Fixed().select(s0, s2)
-        if self._regression:
-            result.trace["noise_source"] = noise_source
-        # final E-step at the learned hyperparameters (perturbations rescaled, warm start)
-        res = self._e_step(data, state["lik"], math.sqrt(s0) * scale, "SampledLLA samples")
-        self.n_iter.append(res.n_iter)
-        gamma, _ = self._statistics(data, state["lik"], self._delta, self._Z)
-        result.trace["optimisation"] = res.as_dict()
-        self.prior_variance = float(s0)
-        self.likelihood = state["lik"] if self._regression else lik
-        self.hyper_strategy, self.hyper_trace = result.strategy, result.trace
-        self.samples = self._Z
-        self.mode = self._theta_hat + self._delta
-        self.effective_dim = gamma
-        self.lin = lin
-        for name in ("_eps0", "_S", "_Z", "_delta", "_theta_hat"):
-            delattr(self, name)
-        return self
+        result = EM(self.n_em_steps).run(step, s0, s2)
+        result.noise_variance = state["s2"]
+        return result, state["lik"]
 
     # ---------------------------------------------------------------- predict
     def predict(self, x):
@@ -325,6 +503,8 @@ class _SampledMixin:
         "n_em_steps": [Interval(Integral, 0, None, closed="left")],
         "max_iter": [Interval(Integral, 1, None, closed="left")],
         "learning_rate": [Interval(Real, 0, None, closed="neither")],
+        "lr_schedule": [StrOptions({"auto", "cosine", "constant", "step"})],
+        "hyper_strategy": [StrOptions({"auto", "validation", "em"})],
         "early_stopping": ["boolean"],
         "tol": [Interval(Real, 0, None, closed="left")],
         "n_iter_no_change": [Interval(Integral, 1, None, closed="left")],
@@ -335,9 +515,10 @@ class _SampledMixin:
     def _make_posterior(self, data):
         noise = self.noise_variance if data.likelihood.task == "regression" else None
         return SampledLLAPosterior(
-            self.prior_variance, noise, n_posterior_samples=self.n_posterior_samples,
-            n_em_steps=self.n_em_steps, max_iter=self.max_iter,
-            learning_rate=self.learning_rate, early_stopping=self.early_stopping, tol=self.tol,
+            self.prior_variance, noise, hyper=self.hyper_strategy,
+            n_posterior_samples=self.n_posterior_samples, n_em_steps=self.n_em_steps,
+            max_iter=self.max_iter, learning_rate=self.learning_rate,
+            lr_schedule=self.lr_schedule, early_stopping=self.early_stopping, tol=self.tol,
             n_iter_no_change=self.n_iter_no_change, g_prior=self.g_prior)
 
     def _store_fitted(self, posterior):
@@ -360,20 +541,34 @@ class SampledLLARegressor(_SampledMixin, LaplaceRegressorMixin):
         kept for prediction). Memory is about ``5 K P`` doubles during ``fit`` and
         ``K P`` after.
     prior_variance : float or "auto", default="auto"
-        ``s0^2 = 1 / alpha``. ``"auto"``: ``n_em_steps`` EM updates
-        ``alpha = gamma / ||theta_bar||^2`` from ``||theta_hat||^2 / P``.
+        ``s0^2 = 1 / alpha``; ``"auto"`` is chosen by ``hyper_strategy``.
     noise_variance : float or "auto", default="auto"
-        ``s2``. ``"auto"``: the mean squared residual of the network on validation
-        rows when there are any, otherwise the EM update
+        ``s2``. ``"auto"`` with held-out rows: chosen with the prior by validation
+        NLL (the network's mean squared validation residual under ``"em"``, or when
+        the prior variance is given); without: the EM update
         ``s2 = RSS(theta_bar) / (N n_targets - gamma)`` from ``RSS(theta_hat) / (N
         n_targets)``.
+    hyper_strategy : {"auto", "validation", "em"}, default="auto"
+        How ``"auto"`` values are chosen. ``"validation"``: validation NLL over a scan
+        of prior variances (``||theta_hat||^2 / P x logspace(-2, 2, 9)``, warm-started
+        E-steps of ``max_iter // 4`` steps, stopped once two candidates in a row score
+        worse) and, for each, the exact rescalings ``(c s0^2, c s2)``, ``c`` in
+        ``logspace(-1, 1, 21)``. ``"em"``: the paper's EM (``n_em_steps`` updates
+        ``alpha = gamma / ||theta_bar||^2`` from ``||theta_hat||^2 / P``). ``"auto"``:
+        ``"validation"`` when held-out rows exist (``validation_data``, rows held out
+        from training a net in ``fit``, or a skorch net's own validation split),
+        ``"em"`` otherwise.
     n_em_steps : int, default=3
-        EM iterations for ``"auto"`` hyperparameters (one E-step each, plus a final
+        EM iterations of ``hyper_strategy="em"`` (one E-step each, plus a final
         E-step at the learned values).
-    max_iter : int, default=1000
+    max_iter : int, default=300
         Adam steps per E-step (minibatches of ``batch_size`` rows).
-    learning_rate : float, default=0.05
-        Adam's learning rate, in prior-whitened coordinates.
+    learning_rate : float, default=0.1
+        Adam's (initial) learning rate, in prior-whitened coordinates.
+    lr_schedule : {"auto", "cosine", "constant", "step"}, default="auto"
+        Learning-rate schedule of each E-step. ``"auto"``: constant when one minibatch
+        holds every row (a deterministic objective), otherwise a cosine decay to 1 %
+        (it averages the minibatch noise out).
     early_stopping : bool, default=False
         End an E-step early when its objective, averaged over windows of 50 steps,
         decreases by less than ``tol`` (relative) ``n_iter_no_change`` times in a row.
@@ -385,8 +580,8 @@ class SampledLLARegressor(_SampledMixin, LaplaceRegressorMixin):
         Per-parameter prior scales ``1 / sqrt(diag GGN)`` (normalised to mean one and
         clipped at 100) instead of an isotropic prior.
     validation_fraction : float, default=0.1
-        Fraction of rows held out when a network is trained in ``fit`` (used for the
-        ``"auto"`` noise variance of the regressor).
+        Fraction of rows held out when a network is trained in ``fit`` (the held-out
+        rows of ``hyper_strategy="validation"``).
     trainable_only : bool, default=True
         Linearise only parameters with ``requires_grad=True``.
     device : str or torch.device, default="auto"
@@ -409,9 +604,11 @@ class SampledLLARegressor(_SampledMixin, LaplaceRegressorMixin):
     n_iter_ : ndarray of int
         Adam steps of each E-step.
     hyper_strategy_ : str
-        ``"em"`` or ``"fixed"``.
+        ``"validation"``, ``"em"`` or ``"fixed"``.
     hyper_trace_ : dict
-        Prior variances of each EM step and per-step information.
+        ``"validation"``: the scanned ``prior_variance`` values, the ``noise_variance``
+        grid, ``score`` (validation NLL per prior and rescaling), ``final_factor``;
+        ``"em"``: the prior variance of each EM step and per-step information.
     net_ : object
         The pretrained or trained network.
     linearized_net_ : LinearizedNet
@@ -450,17 +647,20 @@ class SampledLLARegressor(_SampledMixin, LaplaceRegressorMixin):
     _parameter_constraints = {**REGRESSOR_CONSTRAINTS, **_SampledMixin._sampled_constraints}
 
     def __init__(self, net=None, *, n_posterior_samples=64, prior_variance="auto",
-                 noise_variance="auto", n_em_steps=3, max_iter=1000, learning_rate=0.05,
-                 early_stopping=False, tol=1e-4, n_iter_no_change=3, g_prior=False,
-                 validation_fraction=0.1, trainable_only=True, device="auto", batch_size=256,
-                 random_state=None, verbose=0):
+                 noise_variance="auto", hyper_strategy="auto", n_em_steps=3, max_iter=300,
+                 learning_rate=0.1, lr_schedule="auto", early_stopping=False, tol=1e-4,
+                 n_iter_no_change=3, g_prior=False, validation_fraction=0.1,
+                 trainable_only=True, device="auto", batch_size=256, random_state=None,
+                 verbose=0):
         self.net = net
         self.n_posterior_samples = n_posterior_samples
         self.prior_variance = prior_variance
         self.noise_variance = noise_variance
+        self.hyper_strategy = hyper_strategy
         self.n_em_steps = n_em_steps
         self.max_iter = max_iter
         self.learning_rate = learning_rate
+        self.lr_schedule = lr_schedule
         self.early_stopping = early_stopping
         self.tol = tol
         self.n_iter_no_change = n_iter_no_change
@@ -485,14 +685,22 @@ class SampledLLAClassifier(_SampledMixin, LaplaceClassifierMixin):
     n_posterior_samples : int, default=64
         ``K``, posterior samples of the linearised parameters.
     prior_variance : float or "auto", default="auto"
-        ``s0^2 = 1 / alpha``. ``"auto"``: ``n_em_steps`` EM updates
-        ``alpha = gamma / ||theta_bar||^2`` from ``||theta_hat||^2 / P``.
+        ``s0^2 = 1 / alpha``; ``"auto"`` is chosen by ``hyper_strategy``.
+    hyper_strategy : {"auto", "validation", "em"}, default="auto"
+        How an ``"auto"`` prior variance is chosen. ``"validation"``: validation NLL
+        over a scan of prior variances (``||theta_hat||^2 / P x logspace(-2, 2, 9)``,
+        warm-started E-steps of ``max_iter // 4`` steps, stopped once two candidates
+        in a row score worse). ``"em"``: the paper's EM. ``"auto"``: ``"validation"``
+        when held-out rows exist, ``"em"`` otherwise.
     n_em_steps : int, default=3
-        EM iterations for an ``"auto"`` prior variance.
-    max_iter : int, default=1000
+        EM iterations of ``hyper_strategy="em"``.
+    max_iter : int, default=300
         Adam steps per E-step.
-    learning_rate : float, default=0.05
-        Adam's learning rate, in prior-whitened coordinates.
+    learning_rate : float, default=0.1
+        Adam's (initial) learning rate, in prior-whitened coordinates.
+    lr_schedule : {"auto", "cosine", "constant", "step"}, default="auto"
+        Learning-rate schedule of each E-step (``"auto"``: constant when one minibatch
+        holds every row, otherwise a cosine decay to 1 %).
     early_stopping : bool, default=False
         End an E-step early when its windowed objective stops decreasing.
     tol : float, default=1e-4
@@ -510,8 +718,8 @@ class SampledLLAClassifier(_SampledMixin, LaplaceClassifierMixin):
         The label of each network output, in output order (see
         :class:`~sklearn_lla.LLAClassifier`).
     validation_fraction : float, default=0.1
-        Fraction of rows held out when a network is trained in ``fit`` (used for the
-        ``"auto"`` noise variance of the regressor).
+        Fraction of rows held out when a network is trained in ``fit`` (the held-out
+        rows of ``hyper_strategy="validation"``).
     trainable_only : bool, default=True
         Linearise only parameters with ``requires_grad=True``.
     device : str or torch.device, default="auto"
@@ -534,9 +742,11 @@ class SampledLLAClassifier(_SampledMixin, LaplaceClassifierMixin):
     n_iter_ : ndarray of int
         Adam steps of each E-step.
     hyper_strategy_ : str
-        ``"em"`` or ``"fixed"``.
+        ``"validation"``, ``"em"`` or ``"fixed"``.
     hyper_trace_ : dict
-        Prior variances of each EM step and per-step information.
+        ``"validation"``: the scanned ``prior_variance`` values, the ``noise_variance``
+        grid, ``score`` (validation NLL per prior and rescaling), ``final_factor``;
+        ``"em"``: the prior variance of each EM step and per-step information.
     net_ : object
         The pretrained or trained network.
     linearized_net_ : LinearizedNet
@@ -571,18 +781,20 @@ class SampledLLAClassifier(_SampledMixin, LaplaceClassifierMixin):
 
     _parameter_constraints = {**CLASSIFIER_CONSTRAINTS, **_SampledMixin._sampled_constraints}
 
-    def __init__(self, net=None, *, n_posterior_samples=64, prior_variance="auto", n_em_steps=3,
-                 max_iter=1000, learning_rate=0.05, early_stopping=False, tol=1e-4,
-                 n_iter_no_change=3, g_prior=False, link_approx="probit",
-                 n_samples_predict=512, classes=None, validation_fraction=0.1,
-                 trainable_only=True, device="auto",
+    def __init__(self, net=None, *, n_posterior_samples=64, prior_variance="auto",
+                 hyper_strategy="auto", n_em_steps=3, max_iter=300, learning_rate=0.1,
+                 lr_schedule="auto", early_stopping=False, tol=1e-4, n_iter_no_change=3,
+                 g_prior=False, link_approx="probit", n_samples_predict=512, classes=None,
+                 validation_fraction=0.1, trainable_only=True, device="auto",
                  batch_size=256, random_state=None, verbose=0):
         self.net = net
         self.n_posterior_samples = n_posterior_samples
         self.prior_variance = prior_variance
+        self.hyper_strategy = hyper_strategy
         self.n_em_steps = n_em_steps
         self.max_iter = max_iter
         self.learning_rate = learning_rate
+        self.lr_schedule = lr_schedule
         self.early_stopping = early_stopping
         self.tol = tol
         self.n_iter_no_change = n_iter_no_change

@@ -145,11 +145,11 @@ def test_em_noise_variance_and_g_prior(reg_data, reg_net):
     assert est.noise_variance_ == steps[-1]["noise_variance"]
     scale = est.posterior_.prior_scale
     assert scale.shape == (est.linearized_net_.n_params,) and float(scale.max()) <= 100.0
-    # with validation rows, s2 is their mean squared residual
+    # EM with validation rows: s2 is their mean squared residual
     Xv, yv = reg_data.X_test, reg_data.y_test
     est_v = SampledLLARegressor(reg_net, n_posterior_samples=8, n_em_steps=1,
-                                random_state=0, **FAST).fit(reg_data.X, reg_data.y,
-                                                            validation_data=(Xv, yv))
+                                hyper_strategy="em", random_state=0,
+                                **FAST).fit(reg_data.X, reg_data.y, validation_data=(Xv, yv))
     want = np.mean((reg_net.predict(Xv)[:, 0] - yv) ** 2)
     np.testing.assert_allclose(est_v.noise_variance_, want, rtol=1e-10)
 
@@ -274,3 +274,100 @@ def test_early_stopping_and_convergence_warning(reg_data, reg_net):
     with warnings.catch_warnings():
         warnings.simplefilter("error", ConvergenceWarning)
         est.predict(reg_data.X_test)
+
+
+# ---------------------------------------------------------------------------------
+# The default with held-out rows: validation scan (prior) and exact rescaling (noise)
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_rescaling_identity_is_exact(reg_data, reg_net):
+    # The samples for (c s0^2, c s2) are sqrt(c) times those for (s0^2, s2), same draws:
+    # in prior-whitened coordinates the two objectives (and so the Adam runs) coincide.
+    # The validation scan's noise factors rely on this.
+    kw = dict(n_posterior_samples=8, max_iter=50, random_state=0, device="cpu")
+    a = SampledLLARegressor(reg_net, prior_variance=S0, noise_variance=S2, **kw).fit(
+        reg_data.X, reg_data.y)
+    c = 3.7
+    b = SampledLLARegressor(reg_net, prior_variance=c * S0, noise_variance=c * S2, **kw).fit(
+        reg_data.X, reg_data.y)
+    za, zb = a.posterior_.samples.numpy(), b.posterior_.samples.numpy()
+    np.testing.assert_allclose(zb, math.sqrt(c) * za, rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_validation_policy_with_held_out_rows(reg_data, reg_net):
+    Xv, yv = reg_data.X_test, reg_data.y_test
+    kw = dict(n_posterior_samples=8, max_iter=60, random_state=0, device="cpu")
+    est = SampledLLARegressor(reg_net, **kw).fit(reg_data.X, reg_data.y,
+                                                 validation_data=(Xv, yv))
+    tr = est.hyper_trace_
+    assert est.hyper_strategy_ == "validation" and tr["noise_source"] == "validation"
+    assert est.validation_source_ == "validation_data"
+    # the scan: increasing prior variances from 1e-2 ||theta||^2 / P, warm-started,
+    # max_iter // 4 steps each, then a full E-step
+    theta = est.linearized_net_.flat_params().double()
+    base = float((theta ** 2).sum()) / len(theta)
+    n = len(tr["prior_variance"])
+    np.testing.assert_allclose(tr["prior_variance"], base * np.logspace(-2, 2, 9)[:n],
+                               rtol=1e-12)
+    assert tr["score"].shape == (n, 21)
+    np.testing.assert_array_equal(est.n_iter_, [15] * n + [60])
+    # the kept predictive is the one scored: its validation NLL is the recorded final
+    # score, and it is the best of the exact rescalings c (s0^2, s2) of the final samples
+    mean, std = est.predict(Xv, return_std=True)
+    nll = float(np.mean(0.5 * np.log(2 * np.pi * std ** 2) + 0.5 * (yv - mean) ** 2 / std ** 2))
+    np.testing.assert_allclose(nll, tr["final_score"], rtol=1e-10)
+    var = std ** 2
+    for c in (0.5, 2.0):
+        other = np.mean(0.5 * np.log(2 * np.pi * c * var) + 0.5 * (yv - mean) ** 2 / (c * var))
+        assert nll <= other
+    # and it beats the raw network with its validation residual variance
+    s2v = np.mean((reg_net.predict(Xv)[:, 0] - yv) ** 2)
+    raw = np.mean(0.5 * np.log(2 * np.pi * s2v) + 0.5 * (yv - mean) ** 2 / s2v)
+    print(f"\n[validation policy] s0^2 {est.prior_variance_:.4g}, s2 {est.noise_variance_:.4g}"
+          f"; validation NLL {nll:.4f} vs raw {raw:.4f}")
+    assert nll <= raw + 1e-9
+    # forcing the strategies
+    em = SampledLLARegressor(reg_net, hyper_strategy="em", n_em_steps=1, **kw).fit(
+        reg_data.X, reg_data.y, validation_data=(Xv, yv))
+    assert em.hyper_strategy_ == "em" and em.hyper_trace_["noise_source"] == "validation"
+    with pytest.raises(ValueError, match="needs held-out data"):
+        SampledLLARegressor(reg_net, hyper_strategy="validation", **kw).fit(
+            reg_data.X, reg_data.y)
+    assert SampledLLARegressor(reg_net, **kw).fit(
+        reg_data.X, reg_data.y).hyper_strategy_ == "em"  # no held-out rows: the paper's EM
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_validation_policy_classifier(clf_data, clf_net):
+    Xv, yv = clf_data.X_test, clf_data.y_test
+    est = SampledLLAClassifier(clf_net, n_posterior_samples=8, max_iter=60, random_state=0,
+                               device="cpu").fit(clf_data.X, clf_data.y,
+                                                 validation_data=(Xv, yv))
+    tr = est.hyper_trace_
+    assert est.hyper_strategy_ == "validation" and tr["score"].shape[1] == 1
+    i = int(np.argmin(tr["score"][:, 0]))
+    assert est.prior_variance_ == tr["prior_variance"][i]
+    # every candidate but the best scored worse; the scan stops after two in a row that
+    # are clearly worse (or at the top of the grid)
+    assert len(tr["prior_variance"]) == 9 or np.all(
+        tr["score"][-2:, 0] > tr["best_score"] * (1 + 1e-3))
+    p = est.predict_proba(Xv)
+    nll = -np.mean(np.log(p[np.arange(len(yv)), yv]))
+    print(f"\n[validation policy, clf] s0^2 {est.prior_variance_:.4g}; final validation NLL "
+          f"{nll:.4f} (scan: {tr['best_score']:.4f})")
+    assert np.isfinite(nll)
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_lr_schedule_auto(reg_data, reg_net):
+    kw = dict(prior_variance=S0, noise_variance=S2, n_posterior_samples=4, max_iter=20,
+              random_state=0, device="cpu")
+    full = SampledLLARegressor(reg_net, **kw).fit(reg_data.X, reg_data.y)
+    assert full.hyper_trace_["lr_schedule"] == "constant"  # one minibatch holds every row
+    mini = SampledLLARegressor(reg_net, batch_size=16, **kw).fit(reg_data.X, reg_data.y)
+    assert mini.hyper_trace_["lr_schedule"] == "cosine"
+    step = SampledLLARegressor(reg_net, lr_schedule="step", **kw).fit(reg_data.X, reg_data.y)
+    assert step.hyper_trace_["lr_schedule"] == "step"
