@@ -4,11 +4,13 @@ Linearized Laplace approximations (exact LLA and its scalable successors) behind
 scikit-learn estimator API.
 """
 
-from . import diagnostics, metrics
+from . import diagnostics, kernels, metrics
 from .ella import ELLAClassifier, ELLARegressor
 from .exact import LLAClassifier, LLARegressor
+from .fmgp import FMGPClassifier, FMGPRegressor
 from .sampled import SampledLLAClassifier, SampledLLARegressor
 from .subspace import SubspaceLaplace, SubspaceLaplaceClassifier, SubspaceLaplaceRegressor
+from .valla import VaLLAClassifier, VaLLARegressor
 
 __version__ = "0.1.0.dev0"
 
@@ -22,6 +24,11 @@ __all__ = [
     "SubspaceLaplace",
     "SampledLLARegressor",
     "SampledLLAClassifier",
+    "FMGPRegressor",
+    "FMGPClassifier",
+    "VaLLARegressor",
+    "VaLLAClassifier",
     "metrics",
     "diagnostics",
+    "kernels",
 ]

@@ -87,6 +87,18 @@ class Kernel:
         """``K(x_b, x_b)`` output blocks of shape (B, C, C)."""
         raise NotImplementedError
 
+    def cross_and_diag(self, x: torch.Tensor, z: torch.Tensor, cz: torch.Tensor):
+        """``(cross(x, z, cz), diag_blocks(x))``; kernels may share the work on ``x``."""
+        return self.cross(x, z, cz), self.diag_blocks(x)
+
+    def batch(self, x: torch.Tensor, z: torch.Tensor, cz: torch.Tensor):
+        """``(gram(z, cz), cross(x, z, cz), diag_blocks(x))`` for one training step.
+
+        Kernels may override it to share the work on ``Z`` (VaLLA evaluates the
+        network's Jacobian factors at ``Z`` once per step).
+        """
+        return (self.gram(z, cz), *self.cross_and_diag(x, z, cz))
+
     def predictor(self, z: torch.Tensor, cz: torch.Tensor, W: torch.Tensor):
         """A function ``x -> (Kxx blocks (B, C, C), Kxz W^T (B, C, M))`` for prediction.
 
@@ -304,6 +316,27 @@ def init_inducing(data, n_inducing: int, seed: int):
 # ---------------------------------------------------------------------------------
 
 
+def _with_tolerance(validation, tol):
+    """Wrap a validation score so that relative improvements below ``tol`` count as none.
+
+    The early-stopping loop keeps the state of the best score it saw; a score that
+    beats the best by less than ``tol * |best|`` is reported as the best (a check
+    without improvement), so the earlier, equally good state is kept.
+    """
+    best = [math.inf]
+
+    def score():
+        s = validation()
+        if not math.isfinite(s):
+            return s
+        if not math.isfinite(best[0]) or s < best[0] - tol * abs(best[0]):
+            best[0] = s
+            return s
+        return max(s, best[0])
+
+    return score
+
+
 class FixedMeanGPPosterior(Posterior):
     """Sparse variational GP with the mean fixed to the network (VaLLA, FMGP).
 
@@ -333,6 +366,9 @@ class FixedMeanGPPosterior(Posterior):
         Monte Carlo draws per point for ``energy_link="mc"`` and ``0 < alpha < 1``.
     random_state : int, default=0
         Seed of the k-means initialisation.
+    validation_tol : float, default=0.0
+        Relative improvement of the validation NLL a check must make to count as one
+        for early stopping (smaller improvements count as none).
     """
 
     fitted_attributes = ("prior_variance", "likelihood", "hyper_strategy", "hyper_trace",
@@ -341,7 +377,8 @@ class FixedMeanGPPosterior(Posterior):
     def __init__(self, *, n_inducing=100, noise_variance="auto", alpha=1.0,
                  learning_rate=1e-3, max_iter=5000, batch_size=100, early_stopping=True,
                  validation_freq=100, n_iter_no_change=5, learn_inducing=True,
-                 energy_link="probit", n_energy_samples=32, random_state=0):
+                 energy_link="probit", n_energy_samples=32, random_state=0,
+                 validation_tol=0.0):
         self.n_inducing = int(n_inducing)
         self.noise_variance = noise_variance
         self.alpha = float(alpha)
@@ -355,6 +392,7 @@ class FixedMeanGPPosterior(Posterior):
         self.energy_link = energy_link
         self.n_energy_samples = int(n_energy_samples)
         self.random_state = int(random_state)
+        self.validation_tol = float(validation_tol)
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
 
@@ -439,15 +477,14 @@ class FixedMeanGPPosterior(Posterior):
             return torch.exp(log_noise) if log_noise is not None else fixed_noise
 
         def batch_cov(x, Kzz, terms):
-            Kxz = kernel.cross(x, Z, cz)
-            Kxx = kernel.diag_blocks(x)
+            Kxz, Kxx = kernel.cross_and_diag(x, Z, cz)
             return Kxx, Kxz, latent_cov(Kxx, Kxz @ terms.W.T)
 
         def loss_fn(batch):
             x, y = batch
-            Kzz = kernel.gram(Z, cz)
+            Kzz, Kxz, Kxx = kernel.batch(x, Z, cz)
             terms = variational_terms(Kzz, L_raw)
-            Kxx, Kxz, cov = batch_cov(x, Kzz, terms)
+            cov = latent_cov(Kxx, Kxz @ terms.W.T)
             mean = self._mean(data.lin, x)
             eps = None
             if self._needs_eps(elik):
@@ -473,6 +510,9 @@ class FixedMeanGPPosterior(Posterior):
                           if regression else lik.log_predictive(mean, cov, y))
                     total -= float(lp.sum())
                 return total / val.n_samples
+
+            if self.validation_tol > 0:
+                validation = _with_tolerance(validation, self.validation_tol)
 
         res = minimize(loss_fn, params, minibatches(data, self.batch_size, gen),
                        max_iter=self.max_iter, lr=self.learning_rate, validation=validation,

@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 
 from .ella import ELLAClassifier, ELLARegressor
 from .exact import LLAClassifier, LLARegressor
+from .fmgp import FMGPClassifier, FMGPRegressor
 from .sampled import SampledLLAClassifier, SampledLLARegressor
 from .subspace import SubspaceLaplace, SubspaceLaplaceClassifier, SubspaceLaplaceRegressor
+from .valla import VaLLAClassifier, VaLLARegressor
 
 __all__ = ["Entry", "ESTIMATORS"]
 
@@ -75,4 +77,8 @@ ESTIMATORS = [
           test_params={"n_posterior_samples": 8, "max_iter": 100, "n_em_steps": 1}),
     Entry(SampledLLAClassifier,
           test_params={"n_posterior_samples": 8, "max_iter": 100, "n_em_steps": 1}),
+    Entry(FMGPRegressor, test_params={"n_inducing": 10, "max_iter": 60, "validation_freq": 20}),
+    Entry(FMGPClassifier, test_params={"n_inducing": 9, "max_iter": 60, "validation_freq": 20}),
+    Entry(VaLLARegressor, test_params={"n_inducing": 10, "max_iter": 40, "validation_freq": 20}),
+    Entry(VaLLAClassifier, test_params={"n_inducing": 9, "max_iter": 40, "validation_freq": 20}),
 ]

@@ -238,11 +238,12 @@ class StructuredChain:
 
     __call__ = forward
 
-    def _forward_collect(self, params, buffers, x):
+    def _forward_collect(self, params, buffers, x, differentiable=False):
         """Forward pass keeping each layer's input and ``prod f'(h)`` of its trailing ops.
 
         Returns ``(output, acts, derivs, weights)``; ``derivs[l]`` is ``None`` (all
-        ones) or a tensor of the layer's output shape.
+        ones) or a tensor of the layer's output shape. ``differentiable``: the
+        derivatives keep their autograd graph (see :func:`value_and_derivative`).
         """
         h, buffers, weights = self._prepare(params, buffers, x)
         acts: list[Tensor] = []
@@ -254,7 +255,7 @@ class StructuredChain:
             for op in ops:
                 if op.identity:
                     continue
-                h, dh = value_and_derivative(op, h, buffers)
+                h, dh = value_and_derivative(op, h, buffers, create_graph=differentiable)
                 if dh is not None:
                     d = dh if d is None else d * dh
             derivs.append(None if d is None else torch.broadcast_to(d, h.shape))
@@ -280,6 +281,7 @@ class StructuredChain:
         x: Tensor,
         out_idx: Tensor | None = None,
         param_names: list[str] | None = None,
+        differentiable: bool = False,
     ) -> StructuredJacobian:
         """Factor the Jacobian rows of the outputs at ``x``.
 
@@ -296,6 +298,11 @@ class StructuredChain:
             The parameters to differentiate with respect to (the Jacobian's columns);
             ``None`` means all. Deltas are not propagated below the lowest layer
             holding one of them.
+        differentiable : bool, default=False
+            Build the factors with operations that autograd can differentiate with
+            respect to ``x`` (and the parameters) when they require grad, including
+            the derivatives of the elementwise maps (second derivatives of the
+            network): the NTK's gradient w.r.t. its inputs (VaLLA's inducing points).
 
         Returns
         -------
@@ -303,7 +310,8 @@ class StructuredChain:
             With ``.output`` the network output ``(B, C)``.
         """
         sel, lowest = self._selection(param_names)
-        output, acts, derivs, weights = self._forward_collect(params, buffers, x)
+        output, acts, derivs, weights = self._forward_collect(params, buffers, x,
+                                                              differentiable)
         B, C = output.shape[0], self.n_outputs
         dtype, device = output.dtype, output.device
         if out_idx is None:

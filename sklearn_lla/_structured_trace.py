@@ -227,7 +227,15 @@ def _resolve(a: Any, h: Tensor, bufs: dict[str, Tensor]) -> Any:
 # ---------------------------------------------------------------------------------
 
 
-def _autograd_value_and_derivative(op: Op, h: Tensor, bufs: dict[str, Tensor]):
+def _autograd_value_and_derivative(op: Op, h: Tensor, bufs: dict[str, Tensor],
+                                   create_graph: bool = False):
+    if create_graph and h.requires_grad and torch.is_grad_enabled():
+        # differentiable derivative (double backward): f'(h) stays a function of h
+        y = op(h, bufs)
+        if not y.requires_grad:  # a constant map
+            return y, torch.zeros_like(y)
+        (d,) = torch.autograd.grad(y, h, torch.ones_like(y), create_graph=True)
+        return y, d
     # grad mode is thread-local; ``inference_mode(False)`` lets this run inside a
     # caller's inference mode (an inference tensor is cloned into a normal one)
     with torch.inference_mode(False), torch.enable_grad():
@@ -242,17 +250,21 @@ def _autograd_value_and_derivative(op: Op, h: Tensor, bufs: dict[str, Tensor]):
     return y.detach(), d
 
 
-def value_and_derivative(op: Op, h: Tensor, bufs: dict[str, Tensor]):
+def value_and_derivative(op: Op, h: Tensor, bufs: dict[str, Tensor],
+                         create_graph: bool = False):
     """``(f(h), f'(h))`` of an elementwise op; ``f'(h)`` is ``None`` when it is 1.
 
     The derivative is a tensor that broadcasts against ``h`` (a 0-d tensor for a
     multiplication by a number). Closed forms are used for common maps; any other
     map is differentiated by one reverse-mode pass (``f`` is elementwise, so the
-    gradient of ``sum f(h)`` is ``f'(h)``).
+    gradient of ``sum f(h)`` is ``f'(h)``). The closed forms are differentiable
+    functions of ``h``; with ``create_graph=True`` (and ``h`` requiring grad) the
+    reverse-mode pass keeps its graph too, so ``f'(h)`` can be differentiated
+    again (second derivatives, e.g. VaLLA's gradients w.r.t. inducing inputs).
     """
     rule = op.rule
     if rule is None:
-        return _autograd_value_and_derivative(op, h, bufs)
+        return _autograd_value_and_derivative(op, h, bufs, create_graph)
     y = op(h, bufs)
     if rule == "tanh":
         return y, 1.0 - y * y
@@ -275,7 +287,7 @@ def value_and_derivative(op: Op, h: Tensor, bufs: dict[str, Tensor]):
         return y, 1.0 / other
     if rule == "pow":  # chain value as base, number exponent
         return y, other * h.pow(other - 1.0)
-    return _autograd_value_and_derivative(op, h, bufs)
+    return _autograd_value_and_derivative(op, h, bufs, create_graph)
 
 
 # ---------------------------------------------------------------------------------

@@ -73,6 +73,7 @@ PUBLIC_MODULES = (
     "sklearn_lla.datasets",
     "sklearn_lla.plotting",
     "sklearn_lla.diagnostics",
+    "sklearn_lla.kernels",
 )
 
 _LAYOUT = {"GL01", "GL02", "GL03", "GL05", "GL06", "GL07", "GL08", "GL09", "GL10"}
