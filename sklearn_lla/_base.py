@@ -24,8 +24,14 @@ from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin, clone
 from sklearn.utils import check_random_state
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.multiclass import check_classification_targets
-from sklearn.utils.validation import check_is_fitted, validate_data
+from sklearn.utils.validation import (
+    _check_y,
+    check_consistent_length,
+    check_is_fitted,
+    validate_data,
+)
 
+from . import _dask
 from ._likelihoods import Bernoulli, Categorical, Gaussian, point_normals, row_keys
 from ._linearize import LinearizedNet
 from ._net import is_pretrained, resolve_net, skorch_validation_rows
@@ -118,6 +124,11 @@ class _LaplaceBase(BaseEstimator):
         X, y = self._validate_xy(X, y)
         seed = torch_seed(self.random_state)
         pretrained = is_pretrained(self.net)
+        if _dask.is_dask(X) and not pretrained:
+            raise ValueError(
+                "fit on a dask input needs a pretrained network: training one in fit would "
+                "load all of X into memory. Train the net first (e.g. a skorch net on a "
+                "sample) and pass it fitted, or pass X.compute() if it fits in memory")
         y_enc, classes = self._encode_targets(y, pretrained)
         train_idx = val_idx = None
         if not pretrained and validation_data is None:
@@ -150,7 +161,7 @@ class _LaplaceBase(BaseEstimator):
         else:
             if val_idx is not None:
                 source = "rows held out from training the network"
-            elif pretrained:
+            elif pretrained and not _dask.is_dask(X):  # dask: pass validation_data
                 rows = skorch_validation_rows(resolved.net, X, y_full, self._task,
                                               _module_dtype(resolved.module))
                 if rows is not None:
@@ -182,14 +193,36 @@ class _LaplaceBase(BaseEstimator):
 
     def _validation_arrays(self, validation_data, classes, n_outputs):
         Xv, yv = _split_validation(validation_data)
-        Xv = validate_data(self, Xv, reset=False, dtype=_FLOAT_DTYPES)
-        yv = self._encode_validation_targets(np.asarray(yv), len(Xv), classes, n_outputs)
+        yv = _dask.materialize(yv)
+        if _dask.is_dask(Xv):
+            Xv = _dask.validate_X(self, Xv, reset=False)
+            Xv = Xv if not any(np.isnan(Xv.chunks[0])) else Xv.compute_chunk_sizes()
+        else:
+            Xv = validate_data(self, Xv, reset=False, dtype=_FLOAT_DTYPES)
+        yv = self._encode_validation_targets(np.asarray(yv), Xv.shape[0], classes, n_outputs)
         return Xv, yv
 
     # -- prediction -----------------------------------------------------------
     def _check_X(self, X):
         check_is_fitted(self, "posterior_")
+        if _dask.is_dask(X):  # lazily: nothing is computed
+            return _dask.validate_X(self, X, reset=False)
         return validate_data(self, X, reset=False, dtype=_FLOAT_DTYPES)
+
+    def _validate_dask_xy(self, X, y):
+        """Validate a dask ``X`` lazily and compute ``y`` (one column, in memory)."""
+        y = _dask.materialize(y)
+        if y is None:
+            raise ValueError("requires y to be passed, but the target y is None")
+        X = _dask.validate_X(self, X, reset=True)
+        check_consistent_length(np.empty((X.shape[0], 0)), y)
+        return X, y
+
+    def _no_dask_joint(self, X, what):
+        if _dask.is_dask(X):
+            raise ValueError(
+                f"{what} forms an n x n joint covariance and needs X in memory; pass "
+                "X.compute() (a few thousand rows at most)")
 
     def _predictive_batches(self, X):
         """Yield ``(slice, x_numpy, LatentPredictive)`` per batch (float64, CPU)."""
@@ -298,8 +331,12 @@ class LaplaceRegressorMixin(RegressorMixin, _LaplaceBase):
         return self._fit(X, y, validation_data)
 
     def _validate_xy(self, X, y):
-        X, y = validate_data(self, X, y, multi_output=True, y_numeric=True,
-                             ensure_min_samples=2, dtype=_FLOAT_DTYPES)
+        if _dask.is_dask(X):
+            X, y = self._validate_dask_xy(X, y)
+            y = _check_y(y, multi_output=True, y_numeric=True, estimator=self)
+        else:
+            X, y = validate_data(self, X, _dask.materialize(y), multi_output=True,
+                                 y_numeric=True, ensure_min_samples=2, dtype=_FLOAT_DTYPES)
         y = np.asarray(y, dtype=np.float64)
         self._y_1d = y.ndim == 1
         return X, y
@@ -366,6 +403,16 @@ class LaplaceRegressorMixin(RegressorMixin, _LaplaceBase):
         if return_std and return_cov:
             raise ValueError("at most one of return_std or return_cov can be requested")
         X = self._check_X(X)
+        if _dask.is_dask(X):
+            if return_cov:
+                self._no_dask_joint(X, "return_cov")
+            tail = () if self._y_1d else (self.n_outputs_,)
+            if not return_std:
+                return _dask.lazy_apply(self, X, "predict", shape_tail=tail)
+            both = _dask.lazy_apply(self, X, "predict_std", shape_tail=(2 * self.n_outputs_,))
+            C = self.n_outputs_
+            mean, std = both[:, :C], both[:, C:]
+            return (mean[:, 0], std[:, 0]) if self._y_1d else (mean, std)
         if return_cov:
             mean, cov = self._predict_joint(X)
             n, C = mean.shape
@@ -408,8 +455,14 @@ class LaplaceRegressorMixin(RegressorMixin, _LaplaceBase):
         """
         if not isinstance(n_samples, Integral) or isinstance(n_samples, bool) or n_samples < 1:
             raise ValueError(f"n_samples must be a positive integer, got {n_samples!r}")
-        rng = check_random_state(random_state)
         X = self._check_X(X)
+        if _dask.is_dask(X):  # joint within each block; block i seeded by (seed, i)
+            seed = (random_state if isinstance(random_state, Integral)
+                    else check_random_state(random_state).randint(2**31 - 1))
+            tail = ((n_samples,) if self._y_1d else (self.n_outputs_, n_samples))
+            return _dask.lazy_apply(self, X, "sample_y", shape_tail=tail, n_samples=n_samples,
+                                    seed=int(seed))
+        rng = check_random_state(random_state)
         mean, cov = self._predict_joint(X)
         n, C = mean.shape
         cov = cov + self.noise_variance_ * torch.eye(n * C, dtype=cov.dtype)
@@ -451,7 +504,12 @@ class LaplaceClassifierMixin(ClassifierMixin, _LaplaceBase):
         return self._fit(X, y, validation_data)
 
     def _validate_xy(self, X, y):
-        X, y = validate_data(self, X, y, ensure_min_samples=2, dtype=_FLOAT_DTYPES)
+        if _dask.is_dask(X):
+            X, y = self._validate_dask_xy(X, y)
+            y = _check_y(y, estimator=self)
+        else:
+            X, y = validate_data(self, X, _dask.materialize(y), ensure_min_samples=2,
+                                 dtype=_FLOAT_DTYPES)
         check_classification_targets(y)
         return X, y
 
@@ -531,6 +589,8 @@ class LaplaceClassifierMixin(ClassifierMixin, _LaplaceBase):
             Rows sum to one; columns in the order of ``classes_``.
         """
         X = self._check_X(X)
+        if _dask.is_dask(X):
+            return _dask.lazy_apply(self, X, "predict_proba", shape_tail=(len(self.classes_),))
         lik = self.likelihood_
         out = np.empty((len(X), len(self.classes_)))
         for sl, lp in self._predictive_batches(X):
@@ -570,6 +630,10 @@ class LaplaceClassifierMixin(ClassifierMixin, _LaplaceBase):
         y_pred : ndarray of shape (n_samples,)
             Labels from ``classes_``.
         """
+        if _dask.is_dask(X):
+            X = self._check_X(X)
+            return _dask.lazy_apply(self, X, "predict", shape_tail=(),
+                                    dtype=np.asarray(self.classes_).dtype)
         proba = self.predict_proba(X)
         return self.classes_[np.argmax(proba, axis=1)]
 

@@ -139,6 +139,54 @@ def _check_finite_outputs(g, where):
         )
 
 
+def phi_lam(lik, g, phi):
+    """``A^T phi`` with ``Lam = A A^T`` (unit noise for a Gaussian likelihood)."""
+    if lik.unit_curvature:
+        return phi
+    return torch.einsum("bck,bcl->bkl", lik.lam_factor(g), phi)
+
+
+def _accumulate_batch(feats, lik, G, x, y):
+    """Add one batch's ``phi^T Lam phi`` to ``G``; returns (fit statistic, rows)."""
+    g, phi = feats(x)
+    _check_finite_outputs(g, "training rows")
+    P = phi_lam(lik, g, phi)
+    if P.ndim == 3:
+        P = P.reshape(-1, G.shape[0])
+    G.addmm_(P.T, P)
+    if lik.task == "regression":
+        return float(((y - g) ** 2).sum()), g.shape[0]
+    return float(lik.log_prob(g, y).sum()), g.shape[0]
+
+
+def ggn_statistics(payload, batches):
+    """The row sums of the GLM fit over ``batches``: ``(G, fit statistic, n_rows)``.
+
+    ``G = sum_n phi_n^T Lam_n phi_n`` (float64, K x K) and the residual sum of
+    squares (regression) or log likelihood (classification). Results over
+    disjoint row sets add, so the pass runs per partition
+    (:meth:`~sklearn_lla._protocol.FitData.reduce`).
+
+    Parameters
+    ----------
+    payload : tuple
+        ``(features, likelihood, device)``.
+    batches : iterable of (x, y)
+
+    Returns
+    -------
+    tuple of (Tensor, float, int)
+    """
+    feats, lik, device = payload
+    G = torch.zeros((feats.dim, feats.dim), dtype=torch.float64, device=device)
+    fit_stat, n = 0.0, 0
+    for x, y in batches:
+        df, b = _accumulate_batch(feats, lik, G, x, y)
+        fit_stat += df
+        n += b
+    return G, fit_stat, n
+
+
 class GLMPosterior(Posterior):
     """Linearised-Laplace posterior of a generalised linear model in features ``phi``.
 
@@ -191,9 +239,7 @@ class GLMPosterior(Posterior):
     # ---------------------------------------------------------------- pieces
     def _phi_lam(self, lik, g, phi):
         """``A^T phi`` with ``Lam = A A^T`` (unit noise for a Gaussian likelihood)."""
-        if lik.unit_curvature:
-            return phi
-        return torch.einsum("bck,bcl->bkl", lik.lam_factor(g), phi)
+        return phi_lam(lik, g, phi)
 
     def _whiten_map(self):
         """``W = L^-T`` with ``L L^T = V^T V`` (``None`` for an identity prior Gram)."""
@@ -292,28 +338,44 @@ class GLMPosterior(Posterior):
             order = torch.randperm(N, generator=data.generator).numpy()
         else:
             order = None
-        G = torch.zeros((K, K), dtype=torch.float64, device=data.device)
-        fit_stat = 0.0  # residual sum of squares (regression) or log likelihood
-        bar = data.progress(N, f"{self.label}: accumulating the GGN")
-        n_seen, next_check, bad = 0, self.search_freq, 0
-        best = None
         self.history = []
         self._W = self._whiten_map()
+        desc = f"{self.label}: accumulating the GGN"
+        if not self.early_stopping:  # one row-sum pass (per partition on dask input)
+            G, fit_stat, n_seen = data.reduce(ggn_statistics, (feats, lik, data.device), bs,
+                                              desc=desc)
+        else:
+            G, fit_stat, n_seen = self._early_stopping_pass(data, feats, lik, K, N, bs,
+                                                            order, desc)
+        prior_scale = n_seen / N
+        result, e, T = self._select(data, G, "validation" if self.early_stopping else strategy,
+                                    prior_scale, fit_stat, n_seen)
+        self.prior_variance = result.prior_variance
+        s2 = result.noise_variance
+        self.likelihood = lik.with_noise(s2) if lik.task == "regression" else lik
+        self.noise_variance = s2
+        self.eigvals, self.T = e, T
+        self.d = self._d(e, self.prior_variance, s2, prior_scale)
+        self.n_seen, self.prior_scale = n_seen, prior_scale
+        self.hyper_strategy = result.strategy
+        self.hyper_trace = result.trace
+        self.log_evidence = self._log_evidence(e, self.prior_variance, s2, fit_stat, n_seen * C)
+        return self
+
+    def _early_stopping_pass(self, data, feats, lik, K, N, bs, order, desc):
+        """Stream in random order, checking the validation NLL; the best state."""
+        G = torch.zeros((K, K), dtype=torch.float64, device=data.device)
+        fit_stat = 0.0  # residual sum of squares (regression) or log likelihood
+        bar = data.progress(N, desc)
+        n_seen, next_check, bad = 0, self.search_freq, 0
+        best = None
         for x, y in data.batches(bs, order=order):
-            g, phi = feats(x)
-            _check_finite_outputs(g, "training rows")
-            P = self._phi_lam(lik, g, phi)
-            if P.ndim == 3:
-                P = P.reshape(-1, K)
-            G.addmm_(P.T, P)
-            if lik.task == "regression":
-                fit_stat += float(((y - g) ** 2).sum())
-            else:
-                fit_stat += float(lik.log_prob(g, y).sum())
-            n_seen += g.shape[0]
+            df, b = _accumulate_batch(feats, lik, G, x, y)
+            fit_stat += df
+            n_seen += b
             if bar is not None:
-                bar.update(g.shape[0])
-            if self.early_stopping and (n_seen >= next_check or n_seen == N):
+                bar.update(b)
+            if n_seen >= next_check or n_seen == N:
                 next_check += self.search_freq
                 try:
                     res = self._select(data, G, "validation", n_seen / N, fit_stat, n_seen,
@@ -331,26 +393,12 @@ class GLMPosterior(Posterior):
                         break
         if bar is not None:
             bar.close()
-        if self.early_stopping:
-            if best is None:
-                raise FloatingPointError(
-                    "early stopping: the validation NLL was not finite at any check; check "
-                    "the validation data and the network's outputs on it")
-            _, G, n_seen, fit_stat = best
-        prior_scale = n_seen / N
-        result, e, T = self._select(data, G, "validation" if self.early_stopping else strategy,
-                                    prior_scale, fit_stat, n_seen)
-        self.prior_variance = result.prior_variance
-        s2 = result.noise_variance
-        self.likelihood = lik.with_noise(s2) if lik.task == "regression" else lik
-        self.noise_variance = s2
-        self.eigvals, self.T = e, T
-        self.d = self._d(e, self.prior_variance, s2, prior_scale)
-        self.n_seen, self.prior_scale = n_seen, prior_scale
-        self.hyper_strategy = result.strategy
-        self.hyper_trace = result.trace
-        self.log_evidence = self._log_evidence(e, self.prior_variance, s2, fit_stat, n_seen * C)
-        return self
+        if best is None:
+            raise FloatingPointError(
+                "early stopping: the validation NLL was not finite at any check; check "
+                "the validation data and the network's outputs on it")
+        _, G, n_seen, fit_stat = best
+        return G, fit_stat, n_seen
 
     def _log_evidence(self, e, s0, s2, fit_stat, n_obs):
         return float(glm_log_evidence(s0, s2, eigvals=e.cpu().numpy(),

@@ -91,23 +91,34 @@ def _chunk(lin, C, batch_size):
     return max(1, min(batch_size, lin.chunk_size(C)))
 
 
+def _ggn_diagonal(payload, batches):
+    lin, lik = payload
+    d = torch.zeros(lin.n_params, dtype=torch.float64, device=lin.device)
+    for x, _ in batches:
+        d += _rows(lin, x, lik).pow(2).sum((0, 1))
+    return (d,)
+
+
 def ggn_diagonal(lin, data):
     """Exact diagonal of the GGN (unit noise for a Gaussian likelihood), float64 (p,)."""
-    lik, C = data.likelihood, data.n_outputs
-    d = torch.zeros(lin.n_params, dtype=torch.float64, device=lin.device)
-    for x, _ in data.batches(_chunk(lin, C, data.batch_size)):
-        d += _rows(lin, x, lik).pow(2).sum((0, 1))
-    return d
+    payload = (lin, data.likelihood)
+    return data.reduce(_ggn_diagonal, payload, _chunk(lin, data.n_outputs, data.batch_size))[0]
+
+
+def _full_ggn(payload, batches):
+    lin, lik = payload
+    p = lin.n_params
+    G = torch.zeros((p, p), dtype=torch.float64, device=lin.device)
+    for x, _ in batches:
+        R = _rows(lin, x, lik).reshape(-1, p)
+        G.addmm_(R.T, R)
+    return (G,)
 
 
 def full_ggn(lin, data):
     """Dense GGN ``sum_n J_n^T Lam_n J_n`` (unit noise for a Gaussian), float64 (p, p)."""
-    lik, C, p = data.likelihood, data.n_outputs, lin.n_params
-    G = torch.zeros((p, p), dtype=torch.float64, device=lin.device)
-    for x, _ in data.batches(_chunk(lin, C, data.batch_size)):
-        R = _rows(lin, x, lik).reshape(-1, p)
-        G.addmm_(R.T, R)
-    return G
+    payload = (lin, data.likelihood)
+    return data.reduce(_full_ggn, payload, _chunk(lin, data.n_outputs, data.batch_size))[0]
 
 
 class _Batches:
@@ -298,13 +309,10 @@ def swag_variances(lin, data, likelihood, prior_variance, learning_rate, n_steps
     opt = torch.optim.SGD(params, lr=learning_rate)
     m1 = torch.zeros(lin.n_params, dtype=torch.float64, device=lin.device)
     m2 = torch.zeros_like(m1)
-    perm, pos = None, N
+    batches = data.minibatches(bs, generator)  # the same draws as a permutation per epoch
     with torch.enable_grad():
         for _ in range(int(n_steps)):
-            if pos + bs > N:
-                perm, pos = torch.randperm(N, generator=generator).numpy(), 0
-            x, y = data.rows(perm[pos:pos + bs])
-            pos += bs
+            x, y = next(batches)
             f = mod(x)
             nll = -likelihood.log_prob(f, y).mean() * scale
             prior = sum(p.pow(2).sum() for p in params) / (2.0 * prior_variance * N) * scale

@@ -26,6 +26,16 @@ import torch
 
 __all__ = ["FitData", "LatentPredictive", "Posterior", "holdout_rows", "to_batch"]
 
+#: Rows a minibatch stream (:meth:`FitData.minibatches`) keeps in memory. Up to this
+#: many training rows, every epoch is one global permutation; beyond, the rows are
+#: cut into blocks of :data:`MINIBATCH_BLOCK_ROWS` consecutive rows and each epoch
+#: visits groups of blocks (in a random order) read into memory together, shuffled
+#: within the group: per-step cost and memory stay independent of N, and a memmap or
+#: a dask input is read in large sequential pieces.
+MINIBATCH_CACHE_ROWS = 1 << 18
+#: Consecutive rows per block of the grouped minibatch stream.
+MINIBATCH_BLOCK_ROWS = 1 << 15
+
 
 def holdout_rows(n: int, fraction: float, generator: torch.Generator):
     """Split ``range(n)`` into sorted (train, validation) rows, ``fraction`` held out.
@@ -66,8 +76,8 @@ class FitData:
     likelihood : Likelihood
         The likelihood (its hyperparameters may still be chosen by the posterior).
     X : array-like of shape (n_samples, n_features)
-        Validated inputs (numpy array or memmap; float32 stays float32). Read per
-        batch.
+        Validated inputs (numpy array, memmap or dask array with known row chunks;
+        float32 stays float32). Read per batch (a dask array: per partition).
     y : Tensor
         Regression targets (n_samples, C) float64, or class indices (n_samples,) int64.
     batch_size : int
@@ -112,6 +122,13 @@ class FitData:
         return int(self.likelihood.n_outputs)
 
     @property
+    def is_dask(self) -> bool:
+        """Whether ``X`` is a dask array (read per partition, sums run on workers)."""
+        from ._dask import is_dask
+
+        return is_dask(self.X)
+
+    @property
     def device(self) -> torch.device:
         return self.lin.device
 
@@ -123,6 +140,17 @@ class FitData:
         """Inputs and targets of rows ``idx`` (slice or index array) of this stream."""
         if self.index is not None:
             idx = self.index[idx]
+        if self.is_dask:  # one compute reading only the partitions holding the rows
+            from ._dask import read_rows
+
+            if isinstance(idx, slice):
+                return read_rows(self.X, np.arange(self.X.shape[0])[idx], self.dtype,
+                                 self.device), self.y[idx]
+            idx = np.asarray(idx)
+            order = np.argsort(idx, kind="stable")
+            x = read_rows(self.X, idx[order], self.dtype, self.device)
+            inv = torch.from_numpy(np.argsort(order, kind="stable")).to(self.device)
+            return x[inv], self.y[torch.from_numpy(idx).to(self.y.device)]
         if not isinstance(idx, slice):
             idx = np.asarray(idx)
             order = np.argsort(idx, kind="stable")
@@ -135,10 +163,96 @@ class FitData:
     def batches(self, batch_size: int | None = None, order=None) -> Iterator:
         """Yield ``(x, y)`` batches, in row order or in the order of index array ``order``."""
         bs = int(batch_size or self.batch_size)
+        if order is None and self.is_dask:
+            from ._dask import stream_batches
+
+            yield from stream_batches(self, bs)
+            return
         n = self.n_samples
         for start in range(0, n, bs):
             stop = min(start + bs, n)
             yield self.rows(slice(start, stop) if order is None else order[start:stop])
+
+    def reduce(self, fn, payload, batch_size: int | None = None, desc: str | None = None):
+        """Run a row-sum pass ``fn(payload, batches)`` over the stream.
+
+        ``fn`` is a module-level function returning a tuple whose entries (float64
+        tensors, floats, ints) add over disjoint sets of rows. In memory it runs
+        once on :meth:`batches`; on a dask ``X`` once per partition on the workers
+        (:func:`sklearn_lla._dask.partition_reduce`), the partial results added in
+        float64 on the client.
+
+        Parameters
+        ----------
+        fn : callable
+            ``fn(payload, batches) -> tuple``.
+        payload : object
+            Everything ``fn`` needs besides the batches (sent to each worker once).
+        batch_size : int, optional
+            Rows per batch (default ``self.batch_size``).
+        desc : str, optional
+            Label of the progress bar (in memory, when ``verbose``).
+
+        Returns
+        -------
+        tuple
+        """
+        bs = int(batch_size or self.batch_size)
+        if self.is_dask:
+            from ._dask import partition_reduce
+
+            return partition_reduce(self, fn, payload, bs)
+        bar = self.progress(self.n_samples, desc) if desc else None
+        batches = self.batches(bs)
+        if bar is not None:
+            batches = _counting(batches, bar)
+        try:
+            return fn(payload, batches)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def minibatches(self, batch_size: int, generator: torch.Generator) -> Iterator:
+        """Endless shuffled minibatches ``(x, y)`` of ``batch_size`` rows.
+
+        Up to :data:`MINIBATCH_CACHE_ROWS` rows each epoch is a fresh permutation of
+        all rows drawn from ``generator`` (a dask ``X`` is read into memory once).
+        Beyond, each epoch draws a random order of the blocks of
+        :data:`MINIBATCH_BLOCK_ROWS` consecutive rows, reads them a group of
+        ``MINIBATCH_CACHE_ROWS // MINIBATCH_BLOCK_ROWS`` blocks at a time and
+        yields batches of a permutation of the group's rows (a last partial batch of
+        a group is dropped). The draws depend only on ``generator``, ``N`` and
+        ``batch_size``: numpy and dask inputs give the same batches.
+        """
+        n = self.n_samples
+        bs = min(int(batch_size), n)
+        cache = max(MINIBATCH_CACHE_ROWS, bs)
+        if n <= cache:
+            src = self
+            if self.is_dask:  # all rows fit in the cache: read them once
+                x_all, y_all = self.rows(np.arange(n))
+            while True:
+                perm = torch.randperm(n, generator=generator).numpy()
+                for start in range(0, n - bs + 1, bs):
+                    sel = perm[start:start + bs]
+                    if src.is_dask:
+                        t = torch.from_numpy(sel).to(x_all.device)
+                        yield x_all[t], y_all[t.to(y_all.device)]
+                    else:
+                        yield src.rows(sel)
+        block = max(1, min(MINIBATCH_BLOCK_ROWS, cache))
+        n_blocks = -(-n // block)
+        per_group = max(1, cache // block)
+        while True:
+            order = torch.randperm(n_blocks, generator=generator).numpy()
+            for g in range(0, n_blocks, per_group):
+                rows = np.concatenate([np.arange(b * block, min((b + 1) * block, n))
+                                       for b in order[g:g + per_group]])
+                xg, yg = self.rows(rows)
+                perm = torch.randperm(len(rows), generator=generator)
+                for start in range(0, len(rows) - bs + 1, bs):
+                    sel = perm[start:start + bs]
+                    yield xg[sel.to(xg.device)], yg[sel.to(yg.device)]
 
     def progress(self, total: int, desc: str):
         """A tqdm bar when ``verbose`` (else ``None``)."""
@@ -147,6 +261,12 @@ class FitData:
         from tqdm.auto import tqdm
 
         return tqdm(total=total, desc=desc, leave=False)
+
+
+def _counting(batches, bar):
+    for x, y in batches:
+        yield x, y
+        bar.update(x.shape[0])
 
 
 @dataclass

@@ -105,13 +105,7 @@ class SubspacePosterior(GLMPosterior):
     # ---------------------------------------------------------------- helpers
     def _fit_statistic(self, lin, data):
         """Residual sum of squares (regression) or log likelihood, one forward pass."""
-        lik, stat = data.likelihood, 0.0
-        for x, y in data.batches():
-            g = lin.forward(x).double()
-            _check_finite_outputs(g, "training rows")
-            stat += (float(((y - g) ** 2).sum()) if lik.task == "regression"
-                     else float(lik.log_prob(g, y).sum()))
-        return stat
+        return data.reduce(_fit_statistic, (lin, data.likelihood))[0]
 
     def _subset_inputs(self, data):
         lin = data.lin
@@ -228,6 +222,18 @@ class SubspacePosterior(GLMPosterior):
             self.hyper_trace = {**self.hyper_trace, "kfac_evidence": self._kfac_result.trace,
                                 "prior_variance_source": "kfac_evidence"}
         return self
+
+
+def _fit_statistic(payload, batches):
+    """``(residual sum of squares or log likelihood,)`` over ``batches`` (adds over rows)."""
+    lin, lik = payload
+    stat = 0.0
+    for x, y in batches:
+        g = lin.forward(x).double()
+        _check_finite_outputs(g, "training rows")
+        stat += (float(((y - g) ** 2).sum()) if lik.task == "regression"
+                 else float(lik.log_prob(g, y).sum()))
+    return (stat,)
 
 
 # ------------------------------------------------------------------------- estimators
