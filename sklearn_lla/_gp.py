@@ -39,6 +39,7 @@ __all__ = [
     "VariationalTerms",
     "alpha_energy",
     "init_inducing",
+    "joint_cov",
     "latent_cov",
     "robust_cholesky",
     "variational_terms",
@@ -187,6 +188,17 @@ def latent_cov(Kxx: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
     if bool((neg < 0).any()):
         cov = cov - torch.diag_embed(neg)
     return cov
+
+
+def joint_cov(K: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
+    """Joint latent covariance ``K - V V^T`` (symmetrised), diagonal clamped at zero.
+
+    ``K`` is the (BC, BC) prior block of a batch and ``V`` the matching (BC, M)
+    ``Kxz W^T``; the joint counterpart of :func:`latent_cov`.
+    """
+    cov = K - V @ V.T
+    cov = 0.5 * (cov + cov.T)
+    return cov - torch.diag(torch.clamp(torch.diagonal(cov), max=0.0))
 
 
 def alpha_energy(likelihood, mean, cov, y, *, alpha: float = 1.0, noise=None, eps=None):

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["FitData", "LatentPredictive", "Posterior", "holdout_rows", "to_batch"]
+__all__ = ["FitData", "LatentPredictive", "Posterior", "carve_validation", "holdout_rows",
+           "to_batch"]
 
 #: Rows a minibatch stream (:meth:`FitData.minibatches`) keeps in memory. Up to this
 #: many training rows, every epoch is one global permutation; beyond, the rows are
@@ -45,6 +46,20 @@ def holdout_rows(n: int, fraction: float, generator: torch.Generator):
     n_val = min(max(1, int(round(fraction * n))), n - 1)
     perm = torch.randperm(n, generator=generator).numpy()
     return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+
+
+def carve_validation(data, fraction: float):
+    """Hold out rows of ``data`` (in place) for early stopping; returns the hold-out.
+
+    ``data.index`` shrinks to the kept rows; the returned :class:`FitData` shares
+    ``X`` and ``y`` and holds the others (drawn from ``data.generator``).
+    """
+    rows = np.arange(data.n_samples) if data.index is None else data.index
+    tr, val = holdout_rows(data.n_samples, fraction, data.generator)
+    hold = FitData(data.lin, data.likelihood, data.X, data.y, batch_size=data.batch_size,
+                   index=rows[val])
+    data.index = rows[tr]
+    return hold
 
 
 def to_batch(X, sl, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

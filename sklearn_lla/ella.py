@@ -35,6 +35,7 @@ from ._base import (
     LaplaceRegressorMixin,
 )
 from ._glm import Features, GLMPosterior
+from ._protocol import carve_validation
 from ._utils import safe_eigh
 
 __all__ = ["NystromFeatures", "ELLARegressor", "ELLAClassifier", "nystrom_basis"]
@@ -184,7 +185,7 @@ class _ELLAMixin:
     def _make_posterior(self, data):
         noise = self.noise_variance if data.likelihood.task == "regression" else None
         if self.early_stopping and data.validation is None:
-            data.validation = _carve_validation(data, self.validation_fraction)
+            data.validation = carve_validation(data, self.validation_fraction)
         return GLMPosterior(NystromFeatures(self.n_nystrom, self.n_components),
                             self.prior_variance, noise, hyper=self.hyper_strategy,
                             early_stopping=self.early_stopping,
@@ -196,18 +197,6 @@ class _ELLAMixin:
         self.n_seen_ = posterior.n_seen
         self.validation_scores_ = list(posterior.history)
         super()._store_fitted(posterior)
-
-
-def _carve_validation(data, fraction):
-    """Hold out rows of ``data`` (in place) for early stopping: returns the hold-out."""
-    from ._protocol import FitData, holdout_rows
-
-    rows = np.arange(data.n_samples) if data.index is None else data.index
-    tr, val = holdout_rows(data.n_samples, fraction, data.generator)
-    hold = FitData(data.lin, data.likelihood, data.X, data.y, batch_size=data.batch_size,
-                   index=rows[val])
-    data.index = rows[tr]
-    return hold
 
 
 class ELLARegressor(_ELLAMixin, LaplaceRegressorMixin):

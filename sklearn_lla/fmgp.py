@@ -38,6 +38,7 @@ import torch
 from sklearn.utils._param_validation import HasMethods, Interval, StrOptions
 
 from ._base import (
+    _MIN_ROWS_FOR_HOLDOUT,
     CLASSIFIER_CONSTRAINTS,
     REGRESSOR_CONSTRAINTS,
     LaplaceClassifierMixin,
@@ -46,10 +47,12 @@ from ._base import (
 from ._gp import (
     FixedMeanGPPosterior,
     alpha_energy,
+    joint_cov,
     latent_cov,
     robust_cholesky,
     variational_terms,
 )
+from ._protocol import carve_validation
 from .kernels import RBF, ClassificationKernel
 
 __all__ = ["FMGPClassifier", "FMGPPosterior", "FMGPRegressor", "mean_regularizer_loss"]
@@ -68,8 +71,6 @@ RECALIBRATION_ELEMENTS = 2**24
 #: The rescaling searches ``log c`` within this distance of 0.
 RECALIBRATION_LOG_RANGE = math.log(1e4)
 
-#: Fewest training rows from which validation rows are carved for early stopping.
-_MIN_ROWS_FOR_CARVE = 20
 
 
 def mean_regularizer_loss(likelihood, q_mu, Kzz, terms, Kxx, Kxz, y, *, n_total, alpha=1.0,
@@ -304,23 +305,7 @@ class FMGPPosterior(FixedMeanGPPosterior):
             xx = x.repeat_interleave(C, dim=0)
             cc = torch.arange(C, device=dev).repeat(B)
             K = kernel.gram(xx, cc).to(torch.float64)
-            cov = (K - V @ V.T) * self.cov_scale
-            cov = 0.5 * (cov + cov.T)
-            d = torch.diagonal(cov)
-            cov = cov - torch.diag_embed(torch.clamp(d, max=0.0))
-            return mean, cov
-
-
-def _carve_validation(data, fraction):
-    """Hold out rows of ``data`` (in place) for early stopping; returns the hold-out."""
-    from ._protocol import FitData, holdout_rows
-
-    rows = np.arange(data.n_samples) if data.index is None else data.index
-    tr, val = holdout_rows(data.n_samples, fraction, data.generator)
-    hold = FitData(data.lin, data.likelihood, data.X, data.y, batch_size=data.batch_size,
-                   index=rows[val])
-    data.index = rows[tr]
-    return hold
+            return mean, joint_cov(K, V) * self.cov_scale
 
 
 class _FMGPMixin:
@@ -364,8 +349,8 @@ class _FMGPMixin:
         task = data.likelihood.task
         kernel = self._kernel_template(task)
         if (self.early_stopping and data.validation is None
-                and data.n_samples >= _MIN_ROWS_FOR_CARVE):
-            data.validation = _carve_validation(data, self.validation_fraction)
+                and data.n_samples >= _MIN_ROWS_FOR_HOLDOUT):
+            data.validation = carve_validation(data, self.validation_fraction)
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=data.generator))
         return FMGPPosterior(
             kernel, mean_regularizer=self.mean_regularizer, recalibrate=self.recalibrate,

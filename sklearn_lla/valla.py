@@ -38,20 +38,18 @@ from sklearn.utils._param_validation import Interval, StrOptions
 from torch.func import jacrev, vmap
 
 from ._base import (
+    _MIN_ROWS_FOR_HOLDOUT,
     CLASSIFIER_CONSTRAINTS,
     REGRESSOR_CONSTRAINTS,
     LaplaceClassifierMixin,
     LaplaceRegressorMixin,
 )
-from ._gp import FixedMeanGPPosterior, Kernel
+from ._gp import FixedMeanGPPosterior, Kernel, joint_cov
+from ._protocol import carve_validation
 
 __all__ = ["NTKKernel", "VaLLAPosterior", "VaLLARegressor", "VaLLAClassifier"]
 
 _F64 = torch.float64
-
-#: Fewest training rows from which ``validation_fraction`` rows are held out.
-_MIN_ROWS_FOR_HOLDOUT = 20
-
 
 def structured_cross_gram(Fa, Fb) -> torch.Tensor:
     """``Ja Jb^T`` from two factored Jacobians, in differentiable out-of-place ops.
@@ -310,11 +308,7 @@ class VaLLAPosterior(FixedMeanGPPosterior):
             K = self.kernel.joint(x)
             _, V = self._predict_fn(x)
             V = V.reshape(-1, V.shape[-1]).to(_F64)
-            cov = K - V @ V.T
-            cov = 0.5 * (cov + cov.T)
-            d = torch.diagonal(cov)
-            cov = cov - torch.diag(torch.clamp(d, max=0.0))
-        return mean, cov
+        return mean, joint_cov(K, V)
 
 
 # ---------------------------------------------------------------------------------
@@ -340,12 +334,10 @@ class _VaLLAMixin:
     }
 
     def _make_posterior(self, data):
-        from .ella import _carve_validation
-
         self._carved = False
         if (self.early_stopping and data.validation is None
                 and data.n_samples >= _MIN_ROWS_FOR_HOLDOUT):
-            data.validation = _carve_validation(data, self.validation_fraction)
+            data.validation = carve_validation(data, self.validation_fraction)
             self._carved = True
         regression = data.likelihood.task == "regression"
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=data.generator))
