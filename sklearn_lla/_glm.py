@@ -187,6 +187,81 @@ def ggn_statistics(payload, batches):
     return G, fit_stat, n
 
 
+def _residual_kernel(feats, W, x, phi):
+    """``k(x, x) - phi R^-1 phi^T`` per point: the NTK outside span(V) (C x C, symmetric)."""
+    if W is None:
+        inside = phi @ phi.transpose(1, 2)
+    else:
+        pw = phi @ W
+        inside = pw @ pw.transpose(1, 2)
+    res = feats.ntk_diag(x) - inside
+    return 0.5 * (res + res.transpose(1, 2))
+
+
+def _prior_shrinkage(e, s0, s2, prior_scale):
+    """Posterior variances ``1 / (e / s2 + prior_scale / s0)`` along the eigenvectors."""
+    scale = 1.0 / s2 if s2 is not None and not np.isnan(s2) else 1.0
+    return 1.0 / (e * scale + prior_scale / s0)
+
+
+def validation_residuals(lin, batches):
+    """Row sums ``(sum (y - g)^2, number of scalars)`` of the network on ``batches``."""
+    sq, n = 0.0, 0
+    for x, y in batches:
+        g = lin.forward(x).to(torch.float64)
+        _check_finite_outputs(g, "validation rows")
+        sq += float(((y - g) ** 2).sum())
+        n += y.numel()
+    return sq, n
+
+
+def validation_nll(payload, batches):
+    """Row sums of the negative log predictive over a grid of ``(s0^2, s2)``.
+
+    A row-sum pass (:meth:`~sklearn_lla._protocol.FitData.reduce`): on dask
+    validation data it runs per partition on the workers and only the
+    ``len(s0) x len(s2)`` sums travel back.
+
+    Parameters
+    ----------
+    payload : tuple
+        ``(features, W, residual_correction, likelihood, T, eigvals, prior_scale,
+        s0s, s2s, seed)``: the fitted feature map, the whitening map of the residual
+        correction, the GGN eigenvectors ``T`` and eigenvalues, the candidates
+        (``s2`` NaN for classification) and the seed of a Monte Carlo link.
+    batches : iterable of (x, y)
+
+    Returns
+    -------
+    tuple of (Tensor of shape (len(s0s), len(s2s)), int)
+        The summed NLL per candidate (float64) and the number of rows.
+    """
+    feats, W, residual, lik, T, e, prior_scale, s0s, s2s, seed = payload
+    scores = torch.zeros((len(s0s), len(s2s)), dtype=torch.float64)
+    mc = getattr(lik, "link_approx", None) == "mc"
+    gen = torch.Generator().manual_seed(seed) if mc else None
+    liks = [lik if np.isnan(s2) else lik.with_noise(s2) for s2 in s2s]
+    n = 0
+    for x, y in batches:
+        g, phi = feats(x)
+        _check_finite_outputs(g, "validation rows")
+        res = _residual_kernel(feats, W, x, phi) if residual else None
+        psi = torch.einsum("bck,kl->bcl", phi, T)
+        eps = None
+        if mc:
+            eps = torch.randn((lik.n_samples, *g.shape), dtype=g.dtype,
+                              generator=gen).to(g.device)
+        n += g.shape[0]
+        for i, s0 in enumerate(s0s):
+            for j, s2 in enumerate(s2s):
+                d = _prior_shrinkage(e, s0, None if np.isnan(s2) else s2, prior_scale)
+                cov = torch.einsum("bck,k,bdk->bcd", psi, d, psi)
+                if res is not None:
+                    cov = cov + s0 * res
+                scores[i, j] -= float(liks[j].log_predictive(g, cov, y, eps=eps).sum())
+    return scores, n
+
+
 class GLMPosterior(Posterior):
     """Linearised-Laplace posterior of a generalised linear model in features ``phi``.
 
@@ -258,58 +333,10 @@ class GLMPosterior(Posterior):
         return e.clamp_min(0.0), (U if W is None else W @ U)
 
     def _d(self, e, s0, s2, prior_scale):
-        scale = 1.0 / s2 if s2 is not None and not np.isnan(s2) else 1.0
-        return 1.0 / (e * scale + prior_scale / s0)
+        return _prior_shrinkage(e, s0, s2, prior_scale)
 
     def _residual(self, x, phi):
-        res = self.features.ntk_diag(x) - self._proj(phi)
-        return 0.5 * (res + res.transpose(1, 2))
-
-    def _proj(self, phi):
-        """``phi R^-1 phi^T`` per point (the part of the NTK inside span(V))."""
-        if self._W is None:
-            return phi @ phi.transpose(1, 2)
-        pw = phi @ self._W
-        return pw @ pw.transpose(1, 2)
-
-    # ---------------------------------------------------------------- validation
-    def _validation_stats(self, data, T):
-        """Validation features in the eigenbasis, streamed once: list of batches."""
-        out = []
-        val = data.validation
-        bs = min(val.batch_size, self.features.max_batch(data.n_outputs))
-        for x, y in val.batches(bs):
-            g, phi = self.features(x)
-            _check_finite_outputs(g, "validation rows")
-            res = self._residual(x, phi) if self.residual_correction else None
-            out.append((g, torch.einsum("bck,kl->bcl", phi, T), y, res))
-        return out
-
-    def _val_score_fn(self, lik, stats, e, prior_scale, generator):
-        eps_cache = {}
-
-        def score(s0s, s2s):
-            scores = np.zeros((len(s0s), len(s2s)))
-            n = 0
-            for b, (g, psi, y, res) in enumerate(stats):
-                n += g.shape[0]
-                eps = None
-                if getattr(lik, "link_approx", None) == "mc":
-                    if b not in eps_cache:
-                        eps_cache[b] = torch.randn((lik.n_samples, *g.shape), dtype=g.dtype,
-                                                   generator=generator).to(g.device)
-                    eps = eps_cache[b]
-                for i, s0 in enumerate(s0s):
-                    for j, s2 in enumerate(s2s):
-                        d = self._d(e, s0, None if np.isnan(s2) else s2, prior_scale)
-                        cov = torch.einsum("bck,k,bdk->bcd", psi, d, psi)
-                        if res is not None:
-                            cov = cov + s0 * res
-                        lk = lik if np.isnan(s2) else lik.with_noise(s2)
-                        scores[i, j] -= float(lk.log_predictive(g, cov, y, eps=eps).sum())
-            return scores / max(n, 1)
-
-        return score
+        return _residual_kernel(self.features, self._W, x, phi)
 
     # ---------------------------------------------------------------- fitting
     def _strategy(self, data):
@@ -426,14 +453,25 @@ class GLMPosterior(Posterior):
             return res, e, T
         if strategy != "validation":
             raise ValueError(f"unknown hyperparameter strategy {strategy!r}")
-        stats = self._validation_stats(data, T)
+        val = data.validation
+        bs = min(val.batch_size, feats.max_batch(data.n_outputs))
         base_prior = max(feats.theta_sq_norm / max(feats.dim + feats.n_outside, 1), 1e-12)
         base_noise = None
         if regression:
-            sq = sum(float(((y - g) ** 2).sum()) for g, _, y, _ in stats)
-            cnt = sum(y.numel() for _, _, y, _ in stats)
-            base_noise = max(sq / max(cnt, 1), 1e-12)
-        score = self._val_score_fn(lik, stats, e, prior_scale, data.generator)
+            sq, cnt = val.reduce(validation_residuals, feats.lin, bs)
+            base_noise = max(float(sq) / max(cnt, 1), 1e-12)
+        # Monte Carlo link: one seed per selection, so every candidate sees the same
+        # draws (common random numbers); no draw otherwise (the generator is untouched).
+        mc = getattr(lik, "link_approx", None) == "mc"
+        seed = int(torch.randint(2**62, (1,), generator=data.generator)) if mc else 0
+        W = self._W if self.residual_correction else None
+
+        def score(s0s, s2s):
+            payload = (feats, W, self.residual_correction, lik, T, e, prior_scale,
+                       np.asarray(s0s, dtype=float), np.asarray(s2s, dtype=float), seed)
+            total, n = val.reduce(validation_nll, payload, bs)
+            return total.cpu().numpy() / max(n, 1)
+
         res = self.validation_grid.select(self.prior_variance, s2, score=score,
                                           base_prior=base_prior, base_noise=base_noise,
                                           warn=warn)

@@ -374,6 +374,15 @@ class StructuredChain:
         Kdim = next((t.shape[0] for t in tangents.values()), None)
         if Kdim is None:
             raise ValueError("tangents is empty")
+        names = [n for n in self.param_names if n in tangents]
+        if Kdim > self.n_outputs and names:
+            # Reverse mode: back-propagate one delta per output (2 C P multiply-adds a
+            # point), then one GEMM a_l @ V_l per layer (K P): about half the work of
+            # pushing K tangents forward (W dA and dW a per layer, 2 K P), and 2-3x
+            # faster measured on a 3 x 200 MLP at K = 20 (benchmarks/bench_scale.py).
+            jac = self.features(params, buffers, x, param_names=names)
+            B = jac.output.shape[0]
+            return jac.output, jac.matmul(tangents).view(B, self.n_outputs, Kdim)
         h, acts, derivs, weights = self._forward_collect(params, buffers, x)
         B, dtype, device = h.shape[0], h.dtype, h.device
         dA: Tensor | None = None  # (B, width, K); None while no tangent has entered

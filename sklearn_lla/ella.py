@@ -40,10 +40,13 @@ from ._utils import safe_eigh
 
 __all__ = ["NystromFeatures", "ELLARegressor", "ELLAClassifier", "nystrom_basis"]
 
-#: Memory budget of the basis ``V`` (bytes) that caps ``n_components="auto"``. Each
-#: component costs one JVP per row at fit and predict, so this also bounds the cost:
-#: 64 MiB is K = 169 for a 3 x 200 MLP on 90 inputs (P = 98,801, float32), whose
-#: Nystrom Gram has ~2000 numerically positive eigenvalues for M = 2000.
+#: Per-row cost budget of ``n_components="auto"``, in multiply-adds: the features of a
+#: row cost ``K * P`` (one GEMM per layer, see ``StructuredChain.jvp``) at fit and at
+#: predict, so "auto" keeps at most ``max(AUTO_MIN_COMPONENTS, AUTO_COST_BUDGET // P)``
+#: components. For the papers' 3 x 200 MLPs that is K = 21 (Year, P = 98,801) and
+#: K = 25 (Taxi, P = 82,401): the paper's K = 20, and 3M Taxi rows fit in minutes on 2
+#: cores (``benchmarks/bench_scale.py``); nets with a few thousand parameters keep
+#: hundreds of components, in practice all the numerically positive ones.
 #:
 #: Why not a captured fraction of the trace: directions with tiny eigenvalues on the
 #: Nystrom points are those the data barely constrain, where the posterior keeps its
@@ -51,10 +54,14 @@ __all__ = ["NystromFeatures", "ELLARegressor", "ELLAClassifier", "nystrom_basis"
 #: 1-D gap toy (benchmarks/fidelity.py) keeping ``1 - 1e-3`` of the trace kept 4 of
 #: 17 components and gave KL(exact || ELLA) = 26 (gap variance 11x too small);
 #: all 17 give 1e-6.
-AUTO_MEMORY_BUDGET = 64 * 2**20
+AUTO_COST_BUDGET = 2**21
+
+#: The smallest ``K`` that ``n_components="auto"`` keeps when the spectrum allows it
+#: (the ELLA paper's default).
+AUTO_MIN_COMPONENTS = 20
 
 
-def _top_eigenpairs(Kt, n_components, n_params, itemsize):
+def _top_eigenpairs(Kt, n_components, n_params):
     """Top eigenpairs of the PSD Gram ``Kt`` (float64); ``K`` fixed or ``"auto"``."""
     lam, U = safe_eigh(Kt, "Nystrom Gram matrix")
     lam, U = lam.flip(0), U.flip(1)
@@ -64,15 +71,7 @@ def _top_eigenpairs(Kt, n_components, n_params, itemsize):
     if positive == 0:
         raise ValueError("the Nystrom Gram matrix is zero: the network's Jacobian vanishes")
     if n_components == "auto":
-        k = positive
-        cap = max(1, AUTO_MEMORY_BUDGET // max(1, n_params * itemsize))
-        if k > cap:
-            warnings.warn(
-                f"the Nystrom Gram matrix has {k} numerically positive eigenvalues; "
-                f"n_components='auto' keeps the top {cap}, the memory budget of the basis "
-                f"({AUTO_MEMORY_BUDGET // 2**20} MiB); pass n_components to choose",
-                RuntimeWarning, stacklevel=4)
-            k = cap
+        k = min(positive, max(AUTO_MIN_COMPONENTS, AUTO_COST_BUDGET // max(1, n_params)))
     else:
         k = int(n_components)
         if positive < k:
@@ -125,8 +124,7 @@ def nystrom_basis(lin, data, n_nystrom, n_components, generator, chunk=4096, pai
     Xm, _ = data.rows(idx)
     out_t = torch.as_tensor(out, device=Xm.device)
     Kt = lin.kernel(Xm, n_outputs=C, out1=out_t)
-    itemsize = torch.empty((), dtype=lin.dtype).element_size()
-    lam, U = _top_eigenpairs(Kt, n_components, lin.n_params, itemsize)
+    lam, U = _top_eigenpairs(Kt, n_components, lin.n_params)
     Us = (U / lam.sqrt()).to(lin.dtype)
     V = None
     for s in range(0, len(idx), chunk):
@@ -213,9 +211,9 @@ class ELLARegressor(_ELLAMixin, LaplaceRegressorMixin):
         ``N * n_targets`` pairs when larger).
     n_components : int or "auto", default="auto"
         ``K``, the number of eigenpairs kept. ``"auto"``: every numerically positive
-        eigenvalue of the Nystrom Gram, capped so that the basis ``V`` takes at most
-        64 MiB (with a warning; each component costs one JVP per row at fit and
-        predict).
+        eigenvalue of the Nystrom Gram, at most ``max(20, 2**21 // P)`` (each
+        component costs ``P`` multiply-adds per row at fit and predict; ``P`` is the
+        number of linearised parameters): 25 for a 3 x 200 MLP on 8 inputs.
     prior_variance : float or "auto", default="auto"
         ``s0^2``. ``"auto"``: validation NLL over a log grid when validation data is
         available, otherwise the Laplace evidence of the subspace model.

@@ -263,3 +263,31 @@ def test_worker_killed_mid_fit_gives_the_same_result(client, tmp_path):
     _assert_close(ref.predict(REG.X_test, return_std=True),
                   est.predict(da.from_array(REG.X_test, chunks=8), return_std=True))
     assert is_dask(da.ones(2)) and not is_dask(REG.X)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: ELLARegressor(REG.net, n_nystrom=60, random_state=0, device="cpu"),
+    lambda: LLARegressor(REG.net, random_state=0, device="cpu"),
+    lambda: ELLAClassifier(CLF.net, n_nystrom=60, random_state=0, device="cpu"),
+], ids=["ella_reg", "lla_reg", "ella_clf"])
+def test_validation_nll_is_a_partition_reduce(make, client):
+    """Dask validation_data: the validation NLL grid (and, for regression, the noise
+    scale) are summed per partition on the workers and equal the numpy selection."""
+    case = CLF if is_classifier(make()) else REG
+    rng = np.random.RandomState(1)
+    idx = rng.permutation(N)
+    tr, va = idx[:60], idx[60:]
+    ref = make().fit(case.X[tr], case.y[tr], validation_data=(case.X[va], case.y[va]))
+    assert ref.hyper_strategy_ == "validation"
+    with distributed.get_task_stream(client) as ts:
+        est = make().fit(da.from_array(case.X[tr], chunks=CHUNK), case.y[tr],
+                         validation_data=(da.from_array(case.X[va], chunks=10), case.y[va]))
+    assert est.prior_variance_ == pytest.approx(ref.prior_variance_, rel=1e-10)
+    np.testing.assert_allclose(est.hyper_trace_["score"], ref.hyper_trace_["score"], **TOL)
+    keys = [str(t["key"]) for t in ts.data]
+    n_part = sum("_partition_task" in k for k in keys)
+    # two training partitions; three validation partitions per validation pass (noise
+    # scale for regression, then the NLL grid)
+    n_val_passes = 1 if is_classifier(est) else 2
+    assert n_part >= 2 + 3 * n_val_passes, keys
+    _assert_close(_outputs(ref, case.X_test), _outputs(est, da.from_array(case.X_test, 8)))

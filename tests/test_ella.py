@@ -803,3 +803,23 @@ def test_pickle_roundtrip(reg, clf):
                        random_state=0).fit(clf.X, clf.y)
     c2 = pickle.loads(pickle.dumps(c))
     np.testing.assert_array_equal(c.predict_proba(clf.X_far), c2.predict_proba(clf.X_far))
+
+
+def test_auto_n_components_cost_cap(reg, monkeypatch):
+    """``n_components="auto"``: every positive eigenvalue, capped at max(floor, budget / P)."""
+    import sklearn_lla.ella as ella_mod
+
+    kw = dict(n_nystrom=ALL, n_components="auto")
+    full = _ella_reg(reg.module, **kw).fit(reg.X, reg.y)
+    positive = full.n_components_
+    assert positive > 12  # the spectrum is not the binding limit below
+    P = full.posterior_.features.lin.n_params
+    monkeypatch.setattr(ella_mod, "AUTO_MIN_COMPONENTS", 3)
+    monkeypatch.setattr(ella_mod, "AUTO_COST_BUDGET", 12 * P + P // 2)
+    assert _ella_reg(reg.module, **kw).fit(reg.X, reg.y).n_components_ == 12
+    monkeypatch.setattr(ella_mod, "AUTO_COST_BUDGET", 1)
+    capped = _ella_reg(reg.module, **kw).fit(reg.X, reg.y)
+    assert capped.n_components_ == 3  # the floor
+    # the kept components are the leading ones of the full basis
+    np.testing.assert_allclose(capped.posterior_.features.eigvals,
+                               full.posterior_.features.eigvals[:3], rtol=1e-12)

@@ -202,10 +202,11 @@ def test_gram_diag_vjp_matmul(name):
     _close(_flat(fi.vjp(Ui), params), (Ji.T @ Ui).T)
 
 
+@pytest.mark.parametrize("K", [1, 8])
 @pytest.mark.parametrize("name", list(NETS))
-def test_jvp(name):
+def test_jvp(name, K):
+    """Forward mode (K <= C) and reverse mode (K > C) both equal torch.func's JVPs."""
     net, chain, params, buffers, x = _setup(name)
-    K = 3
     tangents = {k: torch.randn(K, *p.shape, dtype=DT) for k, p in params.items()}
 
     def f(p):
