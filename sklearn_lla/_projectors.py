@@ -29,6 +29,7 @@ Jacobian rows, so no ``p x p`` matrix is formed except by ``optimal``.
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 
 import numpy as np
@@ -135,6 +136,78 @@ class _Batches:
             yield x, y
 
 
+def _kfac_operator(mod, loss, names, batches, num_data):
+    from curvlinops import KFACLinearOperator
+    from curvlinops.kfac import FisherType
+
+    named = dict(mod.m.named_parameters())
+    return KFACLinearOperator(mod, loss, [named[n] for n in names], batches,
+                              fisher_type=FisherType.TYPE2, num_data=num_data,
+                              num_per_example_loss_terms=1, check_deterministic=False,
+                              separate_weight_and_bias=False)
+
+
+def _factor_keys(state):
+    """The Kronecker factors of a KFAC state dict, in a fixed order."""
+    return [(kind, name) for kind in ("input_covariances", "gradient_covariances")
+            for name in sorted(state[kind], key=str)]
+
+
+def _kfac_factors(payload, batches):
+    """KFAC's Kronecker factors over ``batches`` (they add over disjoint row sets)."""
+    mod_bytes, loss, names, num_data, bernoulli = payload
+    # A private copy per task (curvlinops hooks into it), unpickled here: dask's own
+    # serialisation of modules leaves plain-dict hook tables, which torch cannot hook.
+    mod = pickle.loads(mod_bytes)
+
+    def as_curvlinops():
+        for x, y in batches:
+            x = x.double() if x.is_floating_point() else x
+            yield x, (y.reshape(-1, 1).double() if bernoulli else y)
+
+    op = _kfac_operator(mod, loss, names, _OnePass(as_curvlinops()), num_data)
+    op.compute_kronecker_factors()
+    state = op.state_dict()
+    return tuple(state[kind][name].to(torch.float64) for kind, name in _factor_keys(state))
+
+
+class _OnePass:
+    """A partition's batches for curvlinops, read once.
+
+    curvlinops peeks at the first batch (``next(iter(data))``) and then loops over
+    the data: the first batch is kept for the loop that follows, and a second full
+    loop, which would silently see no rows, raises instead.
+    """
+
+    def __init__(self, it):
+        self.it, self.head, self.drained = iter(it), [], False
+
+    def __iter__(self):
+        if self.drained:
+            raise RuntimeError("internal error: KFAC iterated a partition's batches twice")
+        return self._gen()
+
+    def _gen(self):
+        if not self.head:
+            first = next(self.it, None)
+            if first is None:
+                return
+            self.head.append(first)
+        yield self.head[0]
+        self.drained = True
+        yield from self.it
+
+
+class _FirstRow:
+    """The first row of a FitData stream as a one-batch stream."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def batches(self):
+        yield self.data.rows(slice(0, 1))
+
+
 class KFAC:
     """KFAC of the GGN (curvlinops, exact type-2 factors) on a float64 copy of the net.
 
@@ -149,7 +222,6 @@ class KFAC:
 
     def __init__(self, lin, data):
         from curvlinops import KFACLinearOperator
-        from curvlinops.kfac import FisherType
 
         lik = data.likelihood
         mod = _Outputs(copy.deepcopy(lin.module).double(), lin.output_transform)
@@ -173,12 +245,25 @@ class KFAC:
                 "KFAC (curvlinops) supports only nn.Linear and nn.Conv2d layers, and this "
                 "network has linearised parameters in other layers; use "
                 "projector='lowrank-diag' or a subset projector") from exc
-        self.op = KFACLinearOperator(mod, loss, params, _Batches(data, data.n_outputs == 1
-                                                                and lik.task != "regression"),
-                                     fisher_type=FisherType.TYPE2, num_data=data.n_samples,
-                                     num_per_example_loss_terms=1, check_deterministic=False,
-                                     separate_weight_and_bias=False)
-        self.op.compute_kronecker_factors()
+        bernoulli = data.n_outputs == 1 and lik.task != "regression"
+        if not data.is_dask:
+            self.op = _kfac_operator(mod, loss, lin.names, _Batches(data, bernoulli),
+                                     data.n_samples)
+            self.op.compute_kronecker_factors()
+        else:
+            # The type-2 factors with num_data = N fixed are sums over rows (checked to
+            # 1e-15 against one pass): one operator per partition on the workers, the
+            # factors added on the client and loaded into an operator built on one row.
+            sums = data.reduce(_kfac_factors, (pickle.dumps(mod), loss, list(lin.names),
+                                               data.n_samples, bernoulli))
+            x1, y1 = next(iter(_Batches(_FirstRow(data), bernoulli)))
+            self.op = _kfac_operator(mod, loss, lin.names, [(x1, y1)], data.n_samples)
+            self.op.compute_kronecker_factors()
+            state = self.op.state_dict()
+            keys = _factor_keys(state)
+            for (kind, name), value in zip(keys, sums):
+                state[kind][name] = value.to(state[kind][name].dtype)
+            self.op.load_state_dict(state)
         self.names = list(lin.names)
         self.shapes = [named[n].shape for n in lin.names]
 
