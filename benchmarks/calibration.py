@@ -49,8 +49,8 @@ separately. The tables show mean ± std over seeds; ``--per-seed`` prints each s
 
 Usage::
 
-    python benchmarks/calibration.py                       # everything, 5 seeds (~30 min)
-    python benchmarks/calibration.py --seeds 0             # one split (~6 min)
+    python benchmarks/calibration.py                       # everything, 5 seeds (~50 min)
+    python benchmarks/calibration.py --seeds 0             # one split (~10 min)
     python benchmarks/calibration.py --quick               # smoke run (fewer epochs, seed 0)
     python benchmarks/calibration.py --datasets digits,wine --estimators ELLA
     python benchmarks/calibration.py --out docs/calibration_tables.md
