@@ -204,6 +204,23 @@ def _prior_shrinkage(e, s0, s2, prior_scale):
     return 1.0 / (e * scale + prior_scale / s0)
 
 
+def uses_mc_link(lik):
+    """Whether the likelihood's predictive draws Monte Carlo samples (``link_approx="mc"``)."""
+    return getattr(lik, "link_approx", None) == "mc"
+
+
+def mc_seed(lik, generator):
+    """A seed for a validation pass's Monte Carlo draws, from ``generator``.
+
+    One seed per selection gives every candidate the same draws (common random
+    numbers), on every partition alike; for other links it is 0 and ``generator``
+    is left untouched.
+    """
+    if not uses_mc_link(lik):
+        return 0
+    return int(torch.randint(2**62, (1,), generator=generator))
+
+
 def validation_residuals(lin, batches):
     """Row sums ``(sum (y - g)^2, number of scalars)`` of the network on ``batches``."""
     sq, n = 0.0, 0
@@ -238,7 +255,7 @@ def validation_nll(payload, batches):
     """
     feats, W, residual, lik, T, e, prior_scale, s0s, s2s, seed = payload
     scores = torch.zeros((len(s0s), len(s2s)), dtype=torch.float64)
-    mc = getattr(lik, "link_approx", None) == "mc"
+    mc = uses_mc_link(lik)
     gen = torch.Generator().manual_seed(seed) if mc else None
     liks = [lik if np.isnan(s2) else lik.with_noise(s2) for s2 in s2s]
     n = 0
@@ -332,12 +349,6 @@ class GLMPosterior(Posterior):
         e, U = safe_eigh(G if W is None else W.T @ G @ W, "GGN in feature space")
         return e.clamp_min(0.0), (U if W is None else W @ U)
 
-    def _d(self, e, s0, s2, prior_scale):
-        return _prior_shrinkage(e, s0, s2, prior_scale)
-
-    def _residual(self, x, phi):
-        return _residual_kernel(self.features, self._W, x, phi)
-
     # ---------------------------------------------------------------- fitting
     def _strategy(self, data):
         auto = self.prior_variance == "auto" or self.noise_variance == "auto"
@@ -382,7 +393,7 @@ class GLMPosterior(Posterior):
         self.likelihood = lik.with_noise(s2) if lik.task == "regression" else lik
         self.noise_variance = s2
         self.eigvals, self.T = e, T
-        self.d = self._d(e, self.prior_variance, s2, prior_scale)
+        self.d = _prior_shrinkage(e, self.prior_variance, s2, prior_scale)
         self.n_seen, self.prior_scale = n_seen, prior_scale
         self.hyper_strategy = result.strategy
         self.hyper_trace = result.trace
@@ -460,10 +471,7 @@ class GLMPosterior(Posterior):
         if regression:
             sq, cnt = val.reduce(validation_residuals, feats.lin, bs)
             base_noise = max(float(sq) / max(cnt, 1), 1e-12)
-        # Monte Carlo link: one seed per selection, so every candidate sees the same
-        # draws (common random numbers); no draw otherwise (the generator is untouched).
-        mc = getattr(lik, "link_approx", None) == "mc"
-        seed = int(torch.randint(2**62, (1,), generator=data.generator)) if mc else 0
+        seed = mc_seed(lik, data.generator)
         W = self._W if self.residual_correction else None
 
         def score(s0s, s2s):
@@ -484,7 +492,7 @@ class GLMPosterior(Posterior):
         psi = phi @ self.T
         cov = torch.einsum("bck,k,bdk->bcd", psi, self.d, psi)
         if self.residual_correction:
-            cov = cov + self.prior_variance * self._residual(x, phi)
+            cov = cov + self.prior_variance * _residual_kernel(self.features, self._W, x, phi)
         return LatentPredictive(g, 0.5 * (cov + cov.transpose(1, 2)))
 
     def predict_joint(self, x):

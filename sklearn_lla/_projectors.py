@@ -122,6 +122,14 @@ def full_ggn(lin, data):
     return data.reduce(_full_ggn, payload, _chunk(lin, data.n_outputs, data.batch_size))[0]
 
 
+def _curvlinops_batches(batches, bernoulli):
+    """``(x, y)`` batches as curvlinops' losses take them: float64 inputs, and a
+    ``(B, 1)`` float target for a Bernoulli (``BCEWithLogitsLoss``) likelihood."""
+    for x, y in batches:
+        x = x.double() if x.is_floating_point() else x
+        yield x, (y.reshape(-1, 1).double() if bernoulli else y)
+
+
 class _Batches:
     """A re-iterable view of the training stream for curvlinops (float64 tensors)."""
 
@@ -129,11 +137,7 @@ class _Batches:
         self.data, self.bernoulli = data, bernoulli
 
     def __iter__(self):
-        for x, y in self.data.batches():
-            x = x.double() if x.is_floating_point() else x
-            if self.bernoulli:
-                y = y.reshape(-1, 1).double()
-            yield x, y
+        return _curvlinops_batches(self.data.batches(), self.bernoulli)
 
 
 def _kfac_operator(mod, loss, names, batches, num_data):
@@ -159,13 +163,8 @@ def _kfac_factors(payload, batches):
     # A private copy per task (curvlinops hooks into it), unpickled here: dask's own
     # serialisation of modules leaves plain-dict hook tables, which torch cannot hook.
     mod = pickle.loads(mod_bytes)
-
-    def as_curvlinops():
-        for x, y in batches:
-            x = x.double() if x.is_floating_point() else x
-            yield x, (y.reshape(-1, 1).double() if bernoulli else y)
-
-    op = _kfac_operator(mod, loss, names, _OnePass(as_curvlinops()), num_data)
+    op = _kfac_operator(mod, loss, names, _OnePass(_curvlinops_batches(batches, bernoulli)),
+                        num_data)
     op.compute_kronecker_factors()
     state = op.state_dict()
     return tuple(state[kind][name].to(torch.float64) for kind, name in _factor_keys(state))
@@ -180,7 +179,7 @@ class _OnePass:
     """
 
     def __init__(self, it):
-        self.it, self.head, self.drained = iter(it), [], False
+        self.it, self.first, self.drained = iter(it), None, False
 
     def __iter__(self):
         if self.drained:
@@ -188,24 +187,13 @@ class _OnePass:
         return self._gen()
 
     def _gen(self):
-        if not self.head:
-            first = next(self.it, None)
-            if first is None:
+        if self.first is None:
+            self.first = next(self.it, None)
+            if self.first is None:
                 return
-            self.head.append(first)
-        yield self.head[0]
+        yield self.first
         self.drained = True
         yield from self.it
-
-
-class _FirstRow:
-    """The first row of a FitData stream as a one-batch stream."""
-
-    def __init__(self, data):
-        self.data = data
-
-    def batches(self):
-        yield self.data.rows(slice(0, 1))
 
 
 class KFAC:
@@ -256,8 +244,8 @@ class KFAC:
             # factors added on the client and loaded into an operator built on one row.
             sums = data.reduce(_kfac_factors, (pickle.dumps(mod), loss, list(lin.names),
                                                data.n_samples, bernoulli))
-            x1, y1 = next(iter(_Batches(_FirstRow(data), bernoulli)))
-            self.op = _kfac_operator(mod, loss, lin.names, [(x1, y1)], data.n_samples)
+            first = list(_curvlinops_batches([data.rows(slice(0, 1))], bernoulli))
+            self.op = _kfac_operator(mod, loss, lin.names, first, data.n_samples)
             self.op.compute_kronecker_factors()
             state = self.op.state_dict()
             keys = _factor_keys(state)

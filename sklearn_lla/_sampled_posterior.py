@@ -53,7 +53,7 @@ import numpy as np
 import torch
 from sklearn.exceptions import ConvergenceWarning
 
-from ._glm import validation_residuals
+from ._glm import mc_seed, uses_mc_link, validation_residuals
 from ._hyper import EM, Fixed, HyperResult, ValidationGrid
 from ._optim import minibatches, minimize
 from ._protocol import LatentPredictive, Posterior
@@ -148,7 +148,7 @@ def _validation_nll_sums(payload, batches):
     classification has ``factors = [1]``. Returns ``(sums (len(factors),), rows)``.
     """
     lin, Z, lik, regression, factors, s2_ref, seed = payload
-    mc = getattr(lik, "link_approx", None) == "mc"
+    mc = uses_mc_link(lik)
     gen = torch.Generator().manual_seed(seed) if mc else None
     out = torch.zeros(len(factors), dtype=_F64)
     n = 0
@@ -265,13 +265,6 @@ class SampledLLAPosterior(Posterior):
         out = total.cpu().numpy() / max(n, 1)
         return np.where(np.isfinite(out), out, np.inf)
 
-    @staticmethod
-    def _mc_seed(data, lik):
-        """A seed for the Monte Carlo link's draws (0, and no draw, for other links)."""
-        if getattr(lik, "link_approx", None) != "mc":
-            return 0
-        return int(torch.randint(2**62, (1,), generator=data.generator))
-
     def _strategy(self, data, fit_prior, fit_noise):
         if not (fit_prior or fit_noise):
             return "fixed"
@@ -355,7 +348,7 @@ class SampledLLAPosterior(Posterior):
         factors = np.asarray(grid.noise_grid, dtype=np.float64) if fit_noise else np.ones(1)
         scan_iter = max(1, math.ceil(self.max_iter * _SCAN_FRACTION))
         scores, best, bad = [], None, 0
-        seed = self._mc_seed(data, lik)  # common random numbers across the scan
+        seed = mc_seed(lik, data.generator)  # common random numbers across the scan
         self._Z = self._eps0 * math.sqrt(s0s[0]) * scale
         for i, s0 in enumerate(s0s):
             if i:  # warm start: the previous solution in whitened coordinates
@@ -468,7 +461,7 @@ class SampledLLAPosterior(Posterior):
         rows with the samples that are kept, so that the predictive is the one scored.
         """
         factors = np.asarray(self.validation_grid.noise_grid, dtype=np.float64)
-        row = self._validation_nll(data, lik, factors, s2, self._mc_seed(data, lik))
+        row = self._validation_nll(data, lik, factors, s2, mc_seed(lik, data.generator))
         j = int(np.argmin(row))
         if not np.isfinite(row[j]):
             raise FloatingPointError("the validation NLL of the final samples is not finite")
