@@ -16,6 +16,7 @@ the methods fall back to their training-data criterion (e.g. the evidence).
 
 from __future__ import annotations
 
+import abc
 from numbers import Integral, Real
 
 import numpy as np
@@ -67,7 +68,7 @@ def _split_validation(validation_data):
     return Xv, yv
 
 
-class _LaplaceBase(BaseEstimator):
+class _LaplaceBase(BaseEstimator, metaclass=abc.ABCMeta):
     """Validation, net resolution, fitting and batching common to every estimator."""
 
     _task = None  # "regression" | "classification"
@@ -90,6 +91,7 @@ class _LaplaceBase(BaseEstimator):
         return tags
 
     # -- hooks for methods --------------------------------------------------
+    @abc.abstractmethod
     def _make_posterior(self, data):  # pragma: no cover - interface
         """The method's unfitted :class:`~sklearn_lla._protocol.Posterior` for ``data``."""
         raise NotImplementedError

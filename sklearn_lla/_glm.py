@@ -24,6 +24,8 @@ early stopping ended the stream early). Hyperparameter strategies
 
 from __future__ import annotations
 
+import abc
+
 import numpy as np
 import torch
 
@@ -34,7 +36,7 @@ from ._utils import safe_cholesky, safe_eigh
 __all__ = ["Features", "JacobianFeatures", "ProjectionFeatures", "GLMPosterior"]
 
 
-class Features:
+class Features(abc.ABC):
     """Base class of a feature map ``phi(x) = J(x) V``.
 
     Attributes (after :meth:`fit`)
@@ -55,10 +57,12 @@ class Features:
     #: Whether :meth:`ntk_diag` is available (for the optional residual correction).
     has_ntk = True
 
+    @abc.abstractmethod
     def fit(self, lin, data: FitData) -> Features:  # pragma: no cover - interface
         """Build the basis (if any) from the training data; returns ``self``."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def __call__(self, x: torch.Tensor):  # pragma: no cover - interface
         """``g(x)`` (B, C) and ``phi(x)`` (B, C, K), float64."""
         raise NotImplementedError

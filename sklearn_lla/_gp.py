@@ -23,6 +23,7 @@ whatever the network's dtype; the Cholesky of ``Hm`` escalates its jitter.
 
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass
 
@@ -56,7 +57,7 @@ KMEANS_MAX_ROWS = 20_000
 # ---------------------------------------------------------------------------------
 
 
-class Kernel:
+class Kernel(abc.ABC):
     """A kernel over (input, output index) pairs, evaluated in float64.
 
     ``K((x, c), (x', c'))`` for inputs ``x`` and output indices ``c`` (the regression
@@ -71,19 +72,23 @@ class Kernel:
         return []
 
     @property
+    @abc.abstractmethod
     def prior_variance(self) -> float:  # pragma: no cover - interface
         """The kernel's amplitude (reported as the estimator's ``prior_variance_``)."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def gram(self, z: torch.Tensor, cz: torch.Tensor) -> torch.Tensor:  # pragma: no cover
         """``K(Z, Z)`` of shape (M, M) for inducing inputs ``z`` (M, D) and indices ``cz``."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def cross(self, x: torch.Tensor, z: torch.Tensor,
               cz: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
         """``K(x, Z)`` of shape (B, C, M): every output of every point against Z."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def diag_blocks(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
         """``K(x_b, x_b)`` output blocks of shape (B, C, C)."""
         raise NotImplementedError
