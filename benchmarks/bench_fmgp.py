@@ -63,10 +63,11 @@ def make_hetero_problem(n_train, n_test, n_features, seed=0):
 def step_time(net, X, y, n_steps=200):
     """Seconds per Adam step: the optimisation loop's wall time over its steps.
 
-    The loop (``sklearn_lla._gp.minimize``) is timed by wrapping it, so the k-means
+    The loop (``sklearn_lla._posteriors.gp.minimize``) is timed by wrapping it, so the k-means
     initialisation and other fixed costs are left out.
     """
-    from sklearn_lla import FMGPRegressor, _gp
+    from sklearn_lla import FMGPRegressor
+    from sklearn_lla._posteriors import gp as _gp
 
     loop = _gp.minimize
     spent = []

@@ -74,7 +74,7 @@ def _gaussian_nll(y, mean, var):
 
 def ours(net, X, y, steps, lr, warmup=0):
     """Fit VaLLA for ``steps`` steps; returns the estimator and per-step times."""
-    import sklearn_lla._gp as gp
+    import sklearn_lla._posteriors.gp as gp
     from sklearn_lla import VaLLARegressor
 
     stamps = []

@@ -1,11 +1,11 @@
 """The scikit-learn skin shared by every estimator.
 
-A method provides a :class:`~sklearn_lla._protocol.Posterior` through
+A method provides a :class:`~sklearn_lla._core.protocol.Posterior` through
 ``_make_posterior(likelihood)``; everything else lives here once: parameter and
 input validation, resolving and checking the network, devices and seeding, label
 encoding, the validation data policy, atomic refits, per-batch streaming with
 preallocated outputs, and the public ``predict`` / ``predict_proba`` / ``sample_y``
-built on the posterior's :class:`~sklearn_lla._protocol.LatentPredictive`.
+built on the posterior's :class:`~sklearn_lla._core.protocol.LatentPredictive`.
 
 Validation data (for ``"auto"`` hyperparameters that use the ``validation``
 strategy, and for early stopping) is, in order of preference: the
@@ -32,12 +32,13 @@ from sklearn.utils.validation import (
     validate_data,
 )
 
-from . import _dask
-from ._likelihoods import Bernoulli, Categorical, Gaussian, point_normals, row_keys
-from ._linearize import LinearizedNet
-from ._net import is_pretrained, resolve_net, skorch_validation_rows
-from ._protocol import FitData, holdout_rows, to_batch
-from ._utils import resolve_device, safe_cholesky, torch_seed
+from ._core import dask as _dask
+from ._core.likelihoods import Bernoulli, Categorical, Gaussian, point_normals, row_keys
+from ._core.linalg import safe_cholesky
+from ._core.protocol import FitData, holdout_rows, to_batch
+from ._core.utils import resolve_device, torch_seed
+from ._network.linearized import LinearizedNet
+from ._network.resolve import is_pretrained, resolve_net, skorch_validation_rows
 
 __all__ = ["LaplaceRegressorMixin", "LaplaceClassifierMixin"]
 
@@ -93,7 +94,7 @@ class _LaplaceBase(BaseEstimator, metaclass=abc.ABCMeta):
     # -- hooks for methods --------------------------------------------------
     @abc.abstractmethod
     def _make_posterior(self, data):  # pragma: no cover - interface
-        """The method's unfitted :class:`~sklearn_lla._protocol.Posterior` for ``data``."""
+        """The method's unfitted :class:`~sklearn_lla._core.protocol.Posterior` for ``data``."""
         raise NotImplementedError
 
     def _store_fitted(self, posterior):

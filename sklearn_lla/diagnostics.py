@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._likelihoods import Bernoulli, Categorical
-from ._protocol import to_batch
+from ._core.likelihoods import Bernoulli, Categorical
+from ._core.protocol import to_batch
 
 __all__ = ["latent_predictive", "predictive_kl", "trace_criterion"]
 
@@ -199,7 +199,7 @@ def trace_criterion(estimator_or_posterior, X, batch_size=256):
     ----------
     estimator_or_posterior : fitted estimator or Posterior
         A fitted estimator of the package, or a fitted posterior (``.predict(x)``
-        returning a :class:`~sklearn_lla._protocol.LatentPredictive`).
+        returning a :class:`~sklearn_lla._core.protocol.LatentPredictive`).
     X : array-like of shape (n_samples, n_features)
         Query points.
     batch_size : int, default=256

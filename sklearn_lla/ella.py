@@ -1,31 +1,12 @@
-"""ELLA: Nystrom-accelerated linearized Laplace (Deng, Zhou & Zhu, NeurIPS 2022).
+"""``ELLARegressor`` and ``ELLAClassifier``: Nystrom-accelerated linearized Laplace.
 
-The NTK is approximated by ``k(x, x') ~ phi(x) phi(x')^T`` with ``K`` Nystrom
-features ``phi(x) = J(x) V`` (C x K), and LLA becomes the feature-space GLM
-posterior of :mod:`sklearn_lla._glm`:
-
-1. draw ``M`` pairs ``(x_m, i_m)`` (training point, output index) uniformly without
-   replacement from the ``N * C`` pairs (all of them when ``M >= N * C``);
-2. ``Kt = Jt Jt^T`` (M x M) in float64, ``Jt`` the rows ``grad g_{i_m}(x_m)``; its
-   top-``K`` eigenpairs ``(lam_k, u_k)`` by ``eigh`` with escalating jitter
-   (``n_components="auto"``: every numerically positive eigenvalue, capped by the
-   memory of ``V``);
-3. ``v_k = Jt^T u_k / sqrt(lam_k)`` by vector-Jacobian products (memory O(P K));
-4. ``phi(x) = J(x) V`` and ``g(x)`` from one forward pass with ``K`` tangents;
-5. ``G = sum_n phi_n^T Lam_n phi_n`` streamed over the training data;
-   ``S(x) = phi(x) (G + I / s0^2)^-1 phi(x)^T``.
-
-For networks that are chains of ``nn.Linear`` layers and elementwise maps, steps 2
-and 3 use the structured NTK: no Jacobian row is formed.
+The scikit-learn estimators; the Nystrom features and their posterior are in
+:mod:`sklearn_lla._posteriors.ella`.
 """
-
 from __future__ import annotations
 
-import warnings
 from numbers import Integral, Real
 
-import numpy as np
-import torch
 from sklearn.utils._param_validation import Interval, StrOptions
 
 from ._base import (
@@ -34,137 +15,12 @@ from ._base import (
     LaplaceClassifierMixin,
     LaplaceRegressorMixin,
 )
-from ._glm import Features, GLMPosterior
-from ._protocol import carve_validation
-from ._utils import safe_eigh
+from ._core.protocol import carve_validation
+from ._posteriors.ella import NystromFeatures
+from ._posteriors.glm import GLMPosterior
 
-__all__ = ["NystromFeatures", "ELLARegressor", "ELLAClassifier", "nystrom_basis"]
+__all__ = ["ELLARegressor", "ELLAClassifier"]
 
-#: Per-row cost budget of ``n_components="auto"``, in multiply-adds: the features of a
-#: row cost ``K * P`` (one GEMM per layer, see ``StructuredChain.jvp``) at fit and at
-#: predict, so "auto" keeps at most ``max(AUTO_MIN_COMPONENTS, AUTO_COST_BUDGET // P)``
-#: components. For the papers' 3 x 200 MLPs that is K = 21 (Year, P = 98,801) and
-#: K = 25 (Taxi, P = 82,401): the paper's K = 20, and 3M Taxi rows fit in minutes on 2
-#: cores (``benchmarks/bench_scale.py``); nets with a few thousand parameters keep
-#: hundreds of components, in practice all the numerically positive ones.
-#:
-#: Why not a captured fraction of the trace: directions with tiny eigenvalues on the
-#: Nystrom points are those the data barely constrain, where the posterior keeps its
-#: prior variance, and they carry most of the variance away from the data. On the
-#: 1-D gap toy (benchmarks/fidelity.py) keeping ``1 - 1e-3`` of the trace kept 4 of
-#: 17 components and gave KL(exact || ELLA) = 26 (gap variance 11x too small);
-#: all 17 give 1e-6.
-AUTO_COST_BUDGET = 2**21
-
-#: The smallest ``K`` that ``n_components="auto"`` keeps when the spectrum allows it
-#: (the ELLA paper's default).
-AUTO_MIN_COMPONENTS = 20
-
-
-def _top_eigenpairs(Kt, n_components, n_params):
-    """Top eigenpairs of the PSD Gram ``Kt`` (float64); ``K`` fixed or ``"auto"``."""
-    lam, U = safe_eigh(Kt, "Nystrom Gram matrix")
-    lam, U = lam.flip(0), U.flip(1)
-    M = len(lam)
-    tol = max(float(lam[0]), 0.0) * M * torch.finfo(torch.float64).eps * 10
-    positive = int((lam > tol).sum())
-    if positive == 0:
-        raise ValueError("the Nystrom Gram matrix is zero: the network's Jacobian vanishes")
-    if n_components == "auto":
-        k = min(positive, max(AUTO_MIN_COMPONENTS, AUTO_COST_BUDGET // max(1, n_params)))
-    else:
-        k = int(n_components)
-        if positive < k:
-            warnings.warn(
-                f"the Nystrom Gram matrix has only {positive} numerically positive eigenvalues; "
-                f"using {positive} components instead of {k}", RuntimeWarning, stacklevel=4)
-            k = positive
-    return lam[:k], U[:, :k]
-
-
-def nystrom_basis(lin, data, n_nystrom, n_components, generator, chunk=4096, pairs=None):
-    """Draw the Nystrom pairs and build the parameter-space basis ``V``.
-
-    Parameters
-    ----------
-    lin : LinearizedNet
-        The network.
-    data : FitData
-        The training stream (only the ``M`` drawn rows are read).
-    n_nystrom : int
-        ``M``.
-    n_components : int or "auto"
-        ``K``.
-    generator : torch.Generator
-        Random source of the pairs.
-    chunk : int, default=4096
-        Rows per vector-Jacobian product.
-    pairs : tuple of arrays, optional
-        ``(point_idx, output_idx)`` to use instead of drawing them.
-
-    Returns
-    -------
-    V : dict of str to Tensor of shape (K, *param_shape)
-        ``v_k = Jt^T u_k / sqrt(lam_k)``, orthonormal in parameter space.
-    lam : Tensor of shape (K,)
-        The top eigenvalues of ``Kt``.
-    pairs : tuple of ndarray
-        Point and output indices of the ``M`` pairs.
-    """
-    N, C = data.n_samples, data.n_outputs
-    if pairs is not None:
-        idx, out = (np.asarray(p, dtype=np.int64) for p in pairs)
-    else:
-        n_pairs = N * C
-        if n_nystrom >= n_pairs:
-            flat = np.arange(n_pairs)
-        else:
-            flat = torch.randperm(n_pairs, generator=generator)[:n_nystrom].numpy()
-        idx, out = flat // C, flat % C
-    Xm, _ = data.rows(idx)
-    out_t = torch.as_tensor(out, device=Xm.device)
-    Kt = lin.kernel(Xm, n_outputs=C, out1=out_t)
-    lam, U = _top_eigenpairs(Kt, n_components, lin.n_params)
-    Us = (U / lam.sqrt()).to(lin.dtype)
-    V = None
-    for s in range(0, len(idx), chunk):
-        part = lin.gradient_rows_vjp(Xm[s:s + chunk], out_t[s:s + chunk], Us[s:s + chunk])
-        V = part if V is None else {k: V[k] + part[k] for k in V}
-    return V, lam, (idx, out)
-
-
-class NystromFeatures(Features):
-    """ELLA's features ``phi(x) = J(x) V`` with ``V`` the Nystrom basis.
-
-    Parameters
-    ----------
-    n_nystrom : int
-        ``M``.
-    n_components : int or "auto"
-        ``K``.
-    pairs : tuple of arrays, optional
-        Fixed Nystrom pairs (see :func:`nystrom_basis`).
-    """
-
-    def __init__(self, n_nystrom=2000, n_components="auto", pairs=None):
-        self.n_nystrom = n_nystrom
-        self.n_components = n_components
-        self.pairs = pairs
-
-    def fit(self, lin, data):
-        """Draw the pairs and build the orthonormal basis ``V``."""
-        self.lin = lin
-        self.V, self.eigvals, self.pairs_ = nystrom_basis(
-            lin, data, self.n_nystrom, self.n_components, data.generator, pairs=self.pairs)
-        self.dim = len(self.eigvals)
-        theta = lin.flat_params().double()
-        self.theta_sq_norm = float(theta @ theta)
-        self.n_outside = lin.n_params - self.dim
-        return self
-
-    def __call__(self, x):
-        g, phi = self.lin.jvp(x, self.V)
-        return g.double(), phi.double()
 
 
 class _ELLAMixin:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._net import DefaultMLP
+from ._network.resolve import DefaultMLP
 
 __all__ = ["MLP", "DefaultMLP"]
 

@@ -2,7 +2,7 @@
 samples of the linearised network, prior variance by EM or validation NLL.
 
 The posterior (E-step, M-step, validation scan, predictive) is
-:class:`~sklearn_lla._sampled_posterior.SampledLLAPosterior`; this module holds the
+:class:`~sklearn_lla._posteriors.sampled.SampledLLAPosterior`; this module holds the
 thin scikit-learn estimators on it.
 """
 
@@ -19,9 +19,9 @@ from ._base import (
     LaplaceClassifierMixin,
     LaplaceRegressorMixin,
 )
-from ._sampled_posterior import SampledLLAPosterior
+from ._posteriors.sampled import SampledLLAPosterior
 
-__all__ = ["SampledLLAPosterior", "SampledLLARegressor", "SampledLLAClassifier"]
+__all__ = ["SampledLLARegressor", "SampledLLAClassifier"]
 
 
 class _SampledMixin:

@@ -6,15 +6,15 @@ precision, and the predictive covariance is
 
 ``S_P(X) = J_X P (P^T H P)^-1 P^T J_X^T``.
 
-That is the feature-space GLM posterior of :mod:`sklearn_lla._glm` with ``V = P``
-(:class:`~sklearn_lla._glm.ProjectionFeatures`): ``P^T H P`` is accumulated batch
+That is the feature-space GLM posterior of :mod:`sklearn_lla._posteriors.glm` with ``V = P``
+(:class:`~sklearn_lla._posteriors.glm.ProjectionFeatures`): ``P^T H P`` is accumulated batch
 by batch from the JVPs ``J_n P`` (``sum_n (J_n P)^T Lam_n (J_n P) + P^T P / s0^2``),
-never as a ``p x p`` matrix. The projectors are in :mod:`sklearn_lla._projectors`.
+never as a ``p x p`` matrix. The projectors are in :mod:`sklearn_lla._network.curvature`.
 
 Hyperparameters: ``prior_variance="auto"`` is chosen, as in the paper, by the
 Laplace marginal likelihood of the KFAC approximation of the full network (the
 closed-form evidence over the KFAC eigenvalues, maximised by
-:class:`~sklearn_lla._hyper.Evidence`); it builds the projector and, when there are
+:class:`~sklearn_lla._core.hyper.Evidence`); it builds the projector and, when there are
 no held-out rows, is held fixed for the subspace posterior too (with held-out rows
 the posterior's validation strategy chooses it, as for every method: measured to
 calibrate better). An ``"auto"`` noise variance goes through the GLM
@@ -38,11 +38,9 @@ from ._base import (
     LaplaceRegressorMixin,
     _LaplaceBase,
 )
-from ._projectors import PROJECTORS
-from ._subspace_posterior import SubspacePosterior
+from ._posteriors.subspace import PROJECTORS, SubspacePosterior
 
-__all__ = ["SubspacePosterior", "SubspaceLaplaceRegressor", "SubspaceLaplaceClassifier",
-           "SubspaceLaplace"]
+__all__ = ["SubspaceLaplaceRegressor", "SubspaceLaplaceClassifier", "SubspaceLaplace"]
 
 
 # ------------------------------------------------------------------------- estimators

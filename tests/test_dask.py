@@ -32,9 +32,9 @@ from sklearn_lla import (  # noqa: E402
     ELLARegressor,
     LLARegressor,
     SampledLLARegressor,
-    _protocol,
 )
-from sklearn_lla._dask import PartitionError, block_seed, is_dask  # noqa: E402
+from sklearn_lla._core import protocol as _protocol  # noqa: E402
+from sklearn_lla._core.dask import PartitionError, block_seed, is_dask  # noqa: E402
 from sklearn_lla._registry import ESTIMATORS  # noqa: E402
 
 N, CHUNK = 90, 30  # three partitions
@@ -95,7 +95,7 @@ def client():
 def test_dask_is_imported_only_for_dask_input():
     code = ("import sys, numpy as np, torch\n"
             "from sklearn_lla import ELLARegressor\n"
-            "from sklearn_lla._dask import is_dask\n"
+            "from sklearn_lla._core.dask import is_dask\n"
             "X = np.random.RandomState(0).randn(40, 2); y = X[:, 0]\n"
             "net = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(),"
             " torch.nn.Linear(4, 1)).double()\n"

@@ -35,11 +35,11 @@ from sklearn.model_selection import GridSearchCV
 from torch import nn
 
 from sklearn_lla import ELLAClassifier, ELLARegressor, LLAClassifier, LLARegressor
-from sklearn_lla._glm import GLMPosterior
-from sklearn_lla._likelihoods import Categorical, Gaussian
-from sklearn_lla._linearize import LinearizedNet
-from sklearn_lla._protocol import FitData
-from sklearn_lla.ella import NystromFeatures, nystrom_basis
+from sklearn_lla._core.likelihoods import Categorical, Gaussian
+from sklearn_lla._core.protocol import FitData
+from sklearn_lla._network.linearized import LinearizedNet
+from sklearn_lla._posteriors.ella import NystromFeatures, nystrom_basis
+from sklearn_lla._posteriors.glm import GLMPosterior
 from sklearn_lla.metrics import gaussian_nll
 from sklearn_lla.nets import MLP
 
@@ -807,7 +807,7 @@ def test_pickle_roundtrip(reg, clf):
 
 def test_auto_n_components_cost_cap(reg, monkeypatch):
     """``n_components="auto"``: every positive eigenvalue, capped at max(floor, budget / P)."""
-    import sklearn_lla.ella as ella_mod
+    import sklearn_lla._posteriors.ella as ella_mod
 
     kw = dict(n_nystrom=ALL, n_components="auto")
     full = _ella_reg(reg.module, **kw).fit(reg.X, reg.y)

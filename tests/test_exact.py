@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from sklearn_lla import LLAClassifier, LLARegressor
-from sklearn_lla._hyper import glm_log_evidence
+from sklearn_lla._core.hyper import glm_log_evidence
 
 
 def log_marginal_likelihood(s0, s2, *, eigvals, theta_sq_norm, rss=None, n_obs=0, log_lik=None):

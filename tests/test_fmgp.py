@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 from sklearn_lla import FMGPClassifier, FMGPRegressor
-from sklearn_lla._gp import variational_terms
-from sklearn_lla._likelihoods import Gaussian
-from sklearn_lla._linearize import LinearizedNet
-from sklearn_lla.fmgp import FMGPPosterior, mean_regularizer_loss
+from sklearn_lla._core.likelihoods import Gaussian
+from sklearn_lla._network.linearized import LinearizedNet
+from sklearn_lla._posteriors.fmgp import FMGPPosterior, mean_regularizer_loss
+from sklearn_lla._posteriors.gp import variational_terms
 from sklearn_lla.kernels import RBF, ClassificationKernel, Kernel, median_heuristic
 from sklearn_lla.metrics import centered_quantile_metric, expected_calibration_error, gaussian_nll
 

@@ -1,4 +1,4 @@
-"""The feature-space GLM posterior (sklearn_lla._glm) and the hyperparameter layer.
+"""The feature-space GLM posterior (sklearn_lla._posteriors.glm) and the hyperparameter layer.
 
 * last-layer LLA (``subset_of_weights="last_layer"``) against a dense last-layer
   oracle built with ``torch.func.jacrev`` and scipy, sharing no code with the package;
@@ -21,16 +21,16 @@ import torch
 from torch.func import functional_call, jacrev
 
 from sklearn_lla import LLAClassifier, LLARegressor
-from sklearn_lla._glm import GLMPosterior, ProjectionFeatures
-from sklearn_lla._hyper import (
+from sklearn_lla._core.hyper import (
     Evidence,
     HyperparameterWarning,
     ValidationGrid,
     glm_log_evidence,
 )
-from sklearn_lla._likelihoods import Categorical, Gaussian
-from sklearn_lla._linearize import LinearizedNet
-from sklearn_lla._protocol import FitData
+from sklearn_lla._core.likelihoods import Categorical, Gaussian
+from sklearn_lla._core.protocol import FitData
+from sklearn_lla._network.linearized import LinearizedNet
+from sklearn_lla._posteriors.glm import GLMPosterior, ProjectionFeatures
 
 S0, S2 = 0.7, 0.02
 
@@ -217,7 +217,7 @@ def test_validation_strategy_equals_brute_force(reg_data, reg_net):
 
 
 def test_latent_predictive_var_and_sample():
-    from sklearn_lla._protocol import LatentPredictive
+    from sklearn_lla._core.protocol import LatentPredictive
 
     g = torch.Generator().manual_seed(0)
     L = torch.randn(4, 3, 3, dtype=torch.float64, generator=g)

@@ -1,4 +1,4 @@
-"""The shared fixed-mean sparse-GP algebra (sklearn_lla._gp) that VaLLA and FMGP use.
+"""The shared fixed-mean sparse-GP algebra (sklearn_lla._posteriors.gp) that VaLLA and FMGP use.
 
 Checked with a small dense RBF kernel written here (no package kernel involved):
 
@@ -21,7 +21,10 @@ import pytest
 import torch
 from scipy import integrate
 
-from sklearn_lla._gp import (
+from sklearn_lla._core.likelihoods import Bernoulli, Categorical, Gaussian
+from sklearn_lla._core.protocol import FitData
+from sklearn_lla._network.linearized import LinearizedNet
+from sklearn_lla._posteriors.gp import (
     FixedMeanGPPosterior,
     Kernel,
     alpha_energy,
@@ -30,9 +33,6 @@ from sklearn_lla._gp import (
     robust_cholesky,
     variational_terms,
 )
-from sklearn_lla._likelihoods import Bernoulli, Categorical, Gaussian
-from sklearn_lla._linearize import LinearizedNet
-from sklearn_lla._protocol import FitData
 
 
 class _RBF(Kernel):

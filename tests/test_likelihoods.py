@@ -1,4 +1,4 @@
-"""Likelihoods and link approximations (sklearn_lla._likelihoods)."""
+"""Likelihoods and link approximations (sklearn_lla._core.likelihoods)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import scipy.special
 import scipy.stats
 import torch
 
-from sklearn_lla._likelihoods import (
+from sklearn_lla._core.likelihoods import (
     LINK_APPROXIMATIONS,
     Bernoulli,
     Categorical,

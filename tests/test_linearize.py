@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev, vjp, vmap
 
-from sklearn_lla._linearize import LinearizedNet, last_layer_param_names
-from sklearn_lla._structured import StructuredChain
+from sklearn_lla._network.linearized import LinearizedNet, last_layer_param_names
+from sklearn_lla._network.structured.chain import StructuredChain
 
 DT = torch.float64
 

@@ -1,4 +1,4 @@
-"""The shared minibatch optimisation loop (sklearn_lla._optim)."""
+"""The shared minibatch optimisation loop (sklearn_lla._core.optim)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 from sklearn.exceptions import ConvergenceWarning
 
-from sklearn_lla._likelihoods import Gaussian
-from sklearn_lla._optim import lr_factor, minibatches, minimize
-from sklearn_lla._protocol import FitData
+from sklearn_lla._core.likelihoods import Gaussian
+from sklearn_lla._core.optim import lr_factor, minibatches, minimize
+from sklearn_lla._core.protocol import FitData
 
 
 class _Lin:  # FitData only needs the device and dtype of the network here

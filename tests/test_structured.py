@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, jacrev, jvp, vmap
 
-import sklearn_lla._structured as S
-import sklearn_lla._structured_jacobian as SJ
-from sklearn_lla._structured import StructuredChain, StructuredJacobian
+import sklearn_lla._network.structured.chain as S
+import sklearn_lla._network.structured.jacobian as SJ
+from sklearn_lla._network.structured.chain import StructuredChain, StructuredJacobian
 
 DT = torch.float64
 RTOL = 1e-10

@@ -23,10 +23,11 @@ from sklearn.base import is_classifier, is_regressor
 from torch import nn
 
 from sklearn_lla import LLAClassifier, LLARegressor
-from sklearn_lla._likelihoods import Categorical, Gaussian
-from sklearn_lla._linearize import LinearizedNet
-from sklearn_lla._projectors import KFAC, PROJECTORS, full_ggn, ggn_diagonal
-from sklearn_lla._protocol import FitData
+from sklearn_lla._core.likelihoods import Categorical, Gaussian
+from sklearn_lla._core.protocol import FitData
+from sklearn_lla._network.curvature import KFAC, full_ggn, ggn_diagonal
+from sklearn_lla._network.linearized import LinearizedNet
+from sklearn_lla._posteriors.subspace import PROJECTORS
 from sklearn_lla.diagnostics import latent_predictive, predictive_kl, trace_criterion
 from sklearn_lla.subspace import (
     SubspaceLaplace,

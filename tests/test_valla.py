@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from sklearn_lla import LLARegressor, VaLLAClassifier, VaLLARegressor
-from sklearn_lla._gp import variational_terms
-from sklearn_lla._likelihoods import Gaussian
-from sklearn_lla._linearize import LinearizedNet
-from sklearn_lla._protocol import FitData
-from sklearn_lla.valla import NTKKernel, VaLLAPosterior
+from sklearn_lla._core.likelihoods import Gaussian
+from sklearn_lla._core.protocol import FitData
+from sklearn_lla._network.linearized import LinearizedNet
+from sklearn_lla._posteriors.gp import variational_terms
+from sklearn_lla._posteriors.valla import NTKKernel, VaLLAPosterior
 
 F64 = torch.float64
 

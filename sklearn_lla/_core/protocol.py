@@ -2,7 +2,7 @@
 
 A method is one :class:`Posterior` subclass plus two thin estimators. The estimator
 (see :mod:`sklearn_lla._base`) validates input, resolves the network into a
-:class:`~sklearn_lla._linearize.LinearizedNet`, picks the likelihood, and hands the
+:class:`~sklearn_lla._network.linearized.LinearizedNet`, picks the likelihood, and hands the
 posterior a :class:`FitData`; everything the user sees (``predict``,
 ``return_std``, ``return_cov``, ``predict_proba``, ``sample_y``, scorers) is built
 from the :class:`LatentPredictive` that :meth:`Posterior.predict` returns.
@@ -139,7 +139,7 @@ class FitData:
     @property
     def is_dask(self) -> bool:
         """Whether ``X`` is a dask array (read per partition, sums run on workers)."""
-        from ._dask import is_dask
+        from .dask import is_dask
 
         return is_dask(self.X)
 
@@ -156,7 +156,7 @@ class FitData:
         if self.index is not None:
             idx = self.index[idx]
         if self.is_dask:  # one compute reading only the partitions holding the rows
-            from ._dask import read_rows
+            from .dask import read_rows
 
             if isinstance(idx, slice):
                 return read_rows(self.X, np.arange(self.X.shape[0])[idx], self.dtype,
@@ -179,7 +179,7 @@ class FitData:
         """Yield ``(x, y)`` batches, in row order or in the order of index array ``order``."""
         bs = int(batch_size or self.batch_size)
         if order is None and self.is_dask:
-            from ._dask import stream_batches
+            from .dask import stream_batches
 
             yield from stream_batches(self, bs)
             return
@@ -194,7 +194,7 @@ class FitData:
         ``fn`` is a module-level function returning a tuple whose entries (float64
         tensors, floats, ints) add over disjoint sets of rows. In memory it runs
         once on :meth:`batches`; on a dask ``X`` once per partition on the workers
-        (:func:`sklearn_lla._dask.partition_reduce`), the partial results added in
+        (:func:`sklearn_lla._core.dask.partition_reduce`), the partial results added in
         float64 on the client.
 
         Parameters
@@ -214,7 +214,7 @@ class FitData:
         """
         bs = int(batch_size or self.batch_size)
         if self.is_dask:
-            from ._dask import partition_reduce
+            from .dask import partition_reduce
 
             return partition_reduce(self, fn, payload, bs)
         bar = self.progress(self.n_samples, desc) if desc else None
@@ -306,7 +306,7 @@ class LatentPredictive:
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """``n`` draws per point (independent across points), shape (n, B, C)."""
-        from ._likelihoods import _latent_draws
+        from .likelihoods import _latent_draws
 
         eps = torch.randn((n, *self.mean.shape), dtype=self.mean.dtype, generator=generator)
         return _latent_draws(self.mean, self.cov, eps.to(self.mean.device))

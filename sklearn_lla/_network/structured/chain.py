@@ -2,9 +2,9 @@
 
 :meth:`StructuredChain.trace` recognises networks that are a single chain
 ``input -> pre-ops -> (Linear -> elementwise maps)*`` (see
-:mod:`sklearn_lla._structured_trace` for what is accepted) and says why when a network
+:mod:`sklearn_lla._network.structured.trace` for what is accepted) and says why when a network
 is not one. A chain evaluates the network, its factored Jacobian rows
-(:class:`~sklearn_lla._structured_jacobian.StructuredJacobian`: Gram matrices, row
+(:class:`~sklearn_lla._network.structured.jacobian.StructuredJacobian`: Gram matrices, row
 norms, ``J^T U`` and ``J V`` without per-example Jacobians), Jacobian-vector products
 for many tangents in one pass and vector-Jacobian products for many cotangents.
 
@@ -19,15 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._structured_jacobian import LayerFactor, StructuredJacobian
-from ._structured_trace import (
-    Linear,
-    NotAChain,
-    Op,
-    probe_input,
-    trace_chain,
-    value_and_derivative,
-)
+from .jacobian import LayerFactor, StructuredJacobian
+from .trace import Linear, NotAChain, Op, probe_input, trace_chain, value_and_derivative
 
 __all__ = ["StructuredChain", "StructuredJacobian"]
 

@@ -13,13 +13,8 @@ import inspect
 from sklearn.metrics import get_scorer as _sk_get_scorer
 from sklearn.metrics import log_loss as _sk_log_loss
 
-from .metrics import (
-    brier_score,
-    centered_quantile_metric,
-    crps_gaussian,
-    expected_calibration_error,
-    gaussian_nll,
-)
+from ._classification import brier_score, expected_calibration_error
+from ._regression import centered_quantile_metric, crps_gaussian, gaussian_nll
 
 # ---------------------------------------------------------------------------
 # scorers

@@ -1,34 +1,135 @@
-"""The subspace-Laplace posterior: the GLM posterior on a projector's directions.
+"""Subspace Laplace (Faller & Martin): the projectors ``P`` and the posterior on their span.
 
-:class:`SubspacePosterior` builds the ``p x s`` projector of
-:mod:`sklearn_lla._projectors` (with the KFAC-evidence prior variance of the paper
-when ``"auto"``) and runs :class:`~sklearn_lla._glm.GLMPosterior` on
-``ProjectionFeatures``; the estimators are in :mod:`sklearn_lla.subspace`.
+Every projector returns the directions as the rows of a float64 ``(s, p)`` tensor
+(``V = P^T``); the posterior itself is the GLM posterior with features ``J(x) V``
+(:class:`sklearn_lla._posteriors.glm.ProjectionFeatures`), whose prior Gram ``V V^T`` makes the
+result independent of the basis chosen inside ``span(P)``.
+
+* ``lowrank-kfac`` / ``lowrank-diag`` (Algorithm 1): ``Psi_approx`` the KFAC or
+  diagonal-GGN posterior covariance, ``M = J_X' Psi_approx J_X'^T`` over a subset
+  ``X'`` of the training inputs, its top-``s`` eigenvectors ``U_s`` and
+  ``P = Psi_approx J_X'^T U_s`` (orthonormalised: Theorem 1 holds for any
+  reparametrisation ``P Q``);
+* ``optimal`` (Theorem 1): the same with the full GGN posterior covariance
+  ``Psi = (GGN + I / s0^2)^-1``, only for ``p <= MAX_OPTIMAL_PARAMS``;
+* ``subset-magnitude`` / ``subset-diagonal`` / ``subset-swag``: the ``s``
+  coordinates with the largest ``|theta|``, diagonal-GGN posterior variance or SWAG
+  variance (Daxberger et al., 2021).
+
+Memory: ``M`` is ``(n' C) x (n' C)``; ``Psi_approx`` (from
+:mod:`sklearn_lla._network.curvature`) is applied to chunks of Jacobian rows, so no
+``p x p`` matrix is formed except by ``optimal``.
+
+:class:`SubspacePosterior` builds the projector (with the KFAC-evidence prior variance
+of the paper when ``"auto"``) and runs :class:`~sklearn_lla._posteriors.glm.GLMPosterior`
+on ``ProjectionFeatures``; the estimators are in :mod:`sklearn_lla.subspace`.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
-from ._glm import GLMPosterior, ProjectionFeatures, _check_finite_outputs
-from ._hyper import Evidence
-from ._projectors import (
+from .._core.hyper import Evidence
+from .._core.linalg import dense_inverse, safe_eigh
+from .._core.protocol import to_batch
+from .._network.curvature import (
     KFAC,
-    MAX_OPTIMAL_PARAMS,
-    PROJECTORS,
     UnsupportedKFAC,
-    dense_inverse,
+    _chunk,
     float64_view,
     full_ggn,
     ggn_diagonal,
-    lowrank_directions,
-    subset_directions,
     swag_variances,
 )
-from ._protocol import to_batch
+from .glm import GLMPosterior, ProjectionFeatures, _check_finite_outputs
 
-__all__ = ["SubspacePosterior"]
+__all__ = ["SubspacePosterior", "PROJECTORS", "MAX_OPTIMAL_PARAMS", "lowrank_directions",
+           "subset_directions"]
+
+#: The projector names.
+PROJECTORS = ("lowrank-kfac", "lowrank-diag", "subset-magnitude", "subset-diagonal",
+              "subset-swag", "optimal")
+
+
+#: Largest number of parameters for which ``projector="optimal"`` forms the dense
+#: ``p x p`` posterior covariance.
+MAX_OPTIMAL_PARAMS = 5000
+
+
+def _top_eigvecs(M, s):
+    lam, U = safe_eigh(0.5 * (M + M.T), "projected covariance J Psi J^T")
+    lam, U = lam.flip(0), U.flip(1)
+    tol = max(float(lam[0]), 0.0) * len(lam) * torch.finfo(torch.float64).eps * 10
+    positive = int((lam > tol).sum())
+    if positive == 0:
+        raise ValueError("J Psi J^T is zero on the subset: the network's Jacobian vanishes")
+    if positive < s:
+        warnings.warn(f"J Psi J^T has only {positive} numerically positive eigenvalues on the "
+                      f"{M.shape[0]} rows of the subset; using subspace_dim={positive} instead "
+                      f"of {s}", RuntimeWarning, stacklevel=4)
+        s = positive
+    return lam[:s], U[:, :s]
+
+
+def lowrank_directions(lin, X, n_outputs, psi, s, batch_size=256):
+    """Algorithm 1: orthonormal rows spanning ``Psi J_X^T U_s``.
+
+    Parameters
+    ----------
+    lin : LinearizedNet
+        The (float64) network.
+    X : Tensor of shape (n, ...)
+        The inputs ``X'``.
+    n_outputs : int
+        ``C``.
+    psi : callable
+        ``T (p, k) -> Psi T (p, k)``, float64.
+    s : int
+        Subspace dimension (reduced to the numerical rank of ``M`` with a warning).
+    batch_size : int, default=256
+        Points per Jacobian chunk (also capped by the Jacobian memory budget).
+
+    Returns
+    -------
+    V : Tensor of shape (s, p)
+        Orthonormal rows, float64.
+    lam : Tensor of shape (s,)
+        The top eigenvalues of ``M = J_X Psi J_X^T``.
+    """
+    C, p, n = n_outputs, lin.n_params, X.shape[0]
+    step = _chunk(lin, C, batch_size)
+    chunks = [slice(i, min(i + step, n)) for i in range(0, n, step)]
+    M = torch.empty((n * C, n * C), dtype=torch.float64, device=lin.device)
+
+    def jac(sl):
+        return lin.jacobian(X[sl]).double().reshape(-1, p)
+
+    for si in chunks:
+        Ji = jac(si)
+        Z = psi(Ji.T)  # (p, b C)
+        for sj in chunks:
+            Jj = Ji if sj == si else jac(sj)
+            M[sj.start * C:sj.stop * C, si.start * C:si.stop * C] = Jj @ Z
+    lam, U = _top_eigvecs(M, s)
+    del M
+    Pm = torch.zeros((p, U.shape[1]), dtype=torch.float64, device=lin.device)
+    for si in chunks:
+        Pm += psi(jac(si).T) @ U[si.start * C:si.stop * C]
+    Q, _ = torch.linalg.qr(Pm)
+    return Q.T.contiguous(), lam
+
+
+def subset_directions(scores, s):
+    """Selection rows of the ``s`` largest ``scores`` (ties: the lower index first)."""
+    p = scores.shape[0]
+    s = min(int(s), p)
+    order = np.argsort(-scores.cpu().numpy(), kind="stable")[:s]
+    V = torch.zeros((s, p), dtype=torch.float64, device=scores.device)
+    V[torch.arange(s), torch.as_tensor(np.sort(order), device=scores.device)] = 1.0
+    return V
 
 
 class SubspacePosterior(GLMPosterior):
@@ -37,7 +138,7 @@ class SubspacePosterior(GLMPosterior):
     Parameters
     ----------
     projector : str
-        One of :data:`sklearn_lla._projectors.PROJECTORS`.
+        One of :data:`sklearn_lla._posteriors.subspace.PROJECTORS`.
     subspace_dim : int
         ``s``.
     prior_variance : float or "auto"

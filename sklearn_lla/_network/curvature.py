@@ -1,54 +1,26 @@
-"""Projectors of subspace Laplace (Faller & Martin): the ``p x s`` matrices ``P``.
+"""Curvature of the linearised network: KFAC, the full GGN, its diagonal, SWAG variances.
 
-Every projector returns the directions as the rows of a float64 ``(s, p)`` tensor
-(``V = P^T``); the posterior itself is the GLM posterior with features ``J(x) V``
-(:class:`sklearn_lla._glm.ProjectionFeatures`), whose prior Gram ``V V^T`` makes the
-result independent of the basis chosen inside ``span(P)``.
-
-* ``lowrank-kfac`` / ``lowrank-diag`` (Algorithm 1): ``Psi_approx`` the KFAC or
-  diagonal-GGN posterior covariance, ``M = J_X' Psi_approx J_X'^T`` over a subset
-  ``X'`` of the training inputs, its top-``s`` eigenvectors ``U_s`` and
-  ``P = Psi_approx J_X'^T U_s`` (orthonormalised: Theorem 1 holds for any
-  reparametrisation ``P Q``);
-* ``optimal`` (Theorem 1): the same with the full GGN posterior covariance
-  ``Psi = (GGN + I / s0^2)^-1``, only for ``p <= MAX_OPTIMAL_PARAMS``;
-* ``subset-magnitude`` / ``subset-diagonal`` / ``subset-swag``: the ``s``
-  coordinates with the largest ``|theta|``, diagonal-GGN posterior variance or SWAG
-  variance (Daxberger et al., 2021).
+These are the curvature estimates the subspace projectors of
+:mod:`sklearn_lla._posteriors.subspace` are built from (``Psi_approx``).
 
 KFAC comes from ``curvlinops`` (``KFACLinearOperator`` with the exact type-2 GGN
 factors, ``KFACInverseLinearOperator`` with exact damping for ``Psi_approx``). The
 diagonal of the GGN is exact: ``sum_n sum_c (A_n^T J_n)_c^2`` streamed over
 memory-bounded chunks of per-example Jacobians (curvlinops only estimates
-diagonals stochastically).
-
-Memory: ``M`` is ``(n' C) x (n' C)``; ``Psi_approx`` is applied to chunks of
-Jacobian rows, so no ``p x p`` matrix is formed except by ``optimal``.
+diagonals stochastically). Only :func:`full_ggn` forms a ``p x p`` matrix.
 """
 
 from __future__ import annotations
 
 import copy
 import pickle
-import warnings
 
-import numpy as np
 import torch
 from torch import nn
 
-from ._linearize import LinearizedNet
-from ._utils import safe_cholesky, safe_eigh
+from .linearized import LinearizedNet
 
-__all__ = ["PROJECTORS", "MAX_OPTIMAL_PARAMS", "KFAC", "ggn_diagonal", "full_ggn",
-           "lowrank_directions", "subset_directions", "swag_variances", "float64_view"]
-
-#: The projector names.
-PROJECTORS = ("lowrank-kfac", "lowrank-diag", "subset-magnitude", "subset-diagonal",
-              "subset-swag", "optimal")
-
-#: Largest number of parameters for which ``projector="optimal"`` forms the dense
-#: ``p x p`` posterior covariance.
-MAX_OPTIMAL_PARAMS = 5000
+__all__ = ["KFAC", "ggn_diagonal", "full_ggn", "swag_variances", "float64_view"]
 
 
 class UnsupportedKFAC(ValueError):
@@ -283,79 +255,6 @@ class KFAC:
         return apply
 
 
-def _top_eigvecs(M, s):
-    lam, U = safe_eigh(0.5 * (M + M.T), "projected covariance J Psi J^T")
-    lam, U = lam.flip(0), U.flip(1)
-    tol = max(float(lam[0]), 0.0) * len(lam) * torch.finfo(torch.float64).eps * 10
-    positive = int((lam > tol).sum())
-    if positive == 0:
-        raise ValueError("J Psi J^T is zero on the subset: the network's Jacobian vanishes")
-    if positive < s:
-        warnings.warn(f"J Psi J^T has only {positive} numerically positive eigenvalues on the "
-                      f"{M.shape[0]} rows of the subset; using subspace_dim={positive} instead "
-                      f"of {s}", RuntimeWarning, stacklevel=4)
-        s = positive
-    return lam[:s], U[:, :s]
-
-
-def lowrank_directions(lin, X, n_outputs, psi, s, batch_size=256):
-    """Algorithm 1: orthonormal rows spanning ``Psi J_X^T U_s``.
-
-    Parameters
-    ----------
-    lin : LinearizedNet
-        The (float64) network.
-    X : Tensor of shape (n, ...)
-        The inputs ``X'``.
-    n_outputs : int
-        ``C``.
-    psi : callable
-        ``T (p, k) -> Psi T (p, k)``, float64.
-    s : int
-        Subspace dimension (reduced to the numerical rank of ``M`` with a warning).
-    batch_size : int, default=256
-        Points per Jacobian chunk (also capped by the Jacobian memory budget).
-
-    Returns
-    -------
-    V : Tensor of shape (s, p)
-        Orthonormal rows, float64.
-    lam : Tensor of shape (s,)
-        The top eigenvalues of ``M = J_X Psi J_X^T``.
-    """
-    C, p, n = n_outputs, lin.n_params, X.shape[0]
-    step = _chunk(lin, C, batch_size)
-    chunks = [slice(i, min(i + step, n)) for i in range(0, n, step)]
-    M = torch.empty((n * C, n * C), dtype=torch.float64, device=lin.device)
-
-    def jac(sl):
-        return lin.jacobian(X[sl]).double().reshape(-1, p)
-
-    for si in chunks:
-        Ji = jac(si)
-        Z = psi(Ji.T)  # (p, b C)
-        for sj in chunks:
-            Jj = Ji if sj == si else jac(sj)
-            M[sj.start * C:sj.stop * C, si.start * C:si.stop * C] = Jj @ Z
-    lam, U = _top_eigvecs(M, s)
-    del M
-    Pm = torch.zeros((p, U.shape[1]), dtype=torch.float64, device=lin.device)
-    for si in chunks:
-        Pm += psi(jac(si).T) @ U[si.start * C:si.stop * C]
-    Q, _ = torch.linalg.qr(Pm)
-    return Q.T.contiguous(), lam
-
-
-def subset_directions(scores, s):
-    """Selection rows of the ``s`` largest ``scores`` (ties: the lower index first)."""
-    p = scores.shape[0]
-    s = min(int(s), p)
-    order = np.argsort(-scores.cpu().numpy(), kind="stable")[:s]
-    V = torch.zeros((s, p), dtype=torch.float64, device=scores.device)
-    V[torch.arange(s), torch.as_tensor(np.sort(order), device=scores.device)] = 1.0
-    return V
-
-
 def swag_variances(lin, data, likelihood, prior_variance, learning_rate, n_steps, generator):
     """SWAG's diagonal variances from SGD started at the pretrained weights.
 
@@ -402,9 +301,4 @@ def swag_variances(lin, data, likelihood, prior_variance, learning_rate, n_steps
     m1 /= n_steps
     return (m2 / n_steps - m1 * m1).clamp_min(0.0)
 
-
-def dense_inverse(H):
-    """Inverse of an SPD matrix by Cholesky (float64)."""
-    L = safe_cholesky(H, "posterior precision")
-    return torch.cholesky_inverse(L)
 

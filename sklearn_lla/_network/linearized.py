@@ -19,7 +19,7 @@ parameters are held fixed like buffers.
 
 The backend is chosen once, at construction, and reported in ``backend`` /
 ``backend_reason``: networks that are chains of ``nn.Linear`` layers and elementwise
-maps use :mod:`sklearn_lla._structured`, which never forms Jacobian rows; every other
+maps use :mod:`sklearn_lla._network.structured.chain`, which never forms Jacobian rows; every other
 architecture uses ``torch.func`` (reverse mode only).
 
 Thread safety: every method may be called from several threads at once. No
@@ -38,8 +38,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vjp, vmap
 
-from ._structured import StructuredChain
-from ._structured_trace import share_copy
+from .structured.chain import StructuredChain
+from .structured.trace import share_copy
 
 __all__ = ["LinearizedNet", "last_layer_param_names"]
 

@@ -352,7 +352,7 @@ class EM:
 class VariationalEnergy:
     """Hyperparameters learned jointly with the variational parameters.
 
-    The optimisation loop (:mod:`sklearn_lla._optim`) moves them; this object only
+    The optimisation loop (:mod:`sklearn_lla._core.optim`) moves them; this object only
     turns the loop's history into a :class:`HyperResult`.
     """
 

@@ -7,7 +7,7 @@ Antoran et al. (ICLR 2023), nothing ``P x P`` or ``NC x NC`` is ever formed:
 
 * **E-step.** The linear model's mode ``theta_bar`` and ``K`` posterior samples
   ``zeta_k ~ N(0, H^-1)``, ``H = sum_n J_n^T Lam_n J_n + A``, are found together by
-  minibatch Adam (:func:`sklearn_lla._optim.minimize`). The samples minimise the
+  minibatch Adam (:func:`sklearn_lla._core.optim.minimize`). The samples minimise the
   low-variance sample-then-optimise objective
   ``1/2 z^T (sum_n J_n^T Lam_n J_n) z + 1/2 (z - theta_n)^T A (z - theta_n)`` with
   ``theta_n = theta_0 + A^-1 sum_n J_n^T Lam_n^(1/2) eps_n``, ``theta_0 ~ N(0, A^-1)``
@@ -53,10 +53,10 @@ import numpy as np
 import torch
 from sklearn.exceptions import ConvergenceWarning
 
-from ._glm import mc_seed, uses_mc_link, validation_residuals
-from ._hyper import EM, Fixed, HyperResult, ValidationGrid
-from ._optim import minibatches, minimize
-from ._protocol import LatentPredictive, Posterior
+from .._core.hyper import EM, Fixed, HyperResult, ValidationGrid
+from .._core.optim import minibatches, minimize
+from .._core.protocol import LatentPredictive, Posterior
+from .glm import mc_seed, uses_mc_link, validation_residuals
 
 __all__ = ["SampledLLAPosterior", "PRIOR_GRID", "NOISE_GRID", "G_PRIOR_FLOOR"]
 
@@ -186,7 +186,7 @@ class SampledLLAPosterior(Posterior):
     learning_rate : float, default=0.1
         Adam's (initial) learning rate, in prior-whitened coordinates.
     lr_schedule : {"auto", "cosine", "constant", "step"}, default="auto"
-        Learning-rate schedule of each E-step (:func:`sklearn_lla._optim.lr_factor`);
+        Learning-rate schedule of each E-step (:func:`sklearn_lla._core.optim.lr_factor`);
         ``"auto"``: ``"constant"`` when one minibatch holds every training row (a
         deterministic objective), ``"cosine"`` otherwise (the decay averages the
         minibatch noise out).

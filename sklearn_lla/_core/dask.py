@@ -2,7 +2,7 @@
 
 Every estimator accepts dask arrays and dask DataFrames (for instance from
 ``dask.dataframe.read_parquet``) besides in-memory arrays. This module holds all
-that is Dask-specific, so that the core (:mod:`sklearn_lla._protocol`,
+that is Dask-specific, so that the core (:mod:`sklearn_lla._core.protocol`,
 :mod:`sklearn_lla._base`) stays small:
 
 * :func:`is_dask` recognises a dask collection without importing dask (the library

@@ -11,7 +11,7 @@ Every estimator accepts ``net`` as
 :func:`resolve_net` returns the pretrained module and how its outputs map to the
 latent function ``g(x)`` the Laplace approximation linearises (logits for
 classifiers). The user's module object is never touched: the linearisation works on
-a private deep copy (see :class:`sklearn_lla._linearize.LinearizedNet`).
+a private deep copy (see :class:`sklearn_lla._network.linearized.LinearizedNet`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from sklearn.base import clone
 from torch import nn
 
-from ._utils import seeded
+from .._core.utils import seeded
 
 __all__ = [
     "DefaultMLP",

@@ -63,11 +63,11 @@ class OptimResult:
 
 
 def minibatches(data, batch_size: int, generator: torch.Generator) -> Iterator:
-    """Endless shuffled minibatches ``(x, y)`` of a :class:`~sklearn_lla._protocol.FitData`.
+    """Endless shuffled minibatches ``(x, y)`` of a :class:`~sklearn_lla._core.protocol.FitData`.
 
     Each epoch is a fresh permutation drawn from ``generator``; rows are read per
     batch, so the cost of a step does not depend on the number of rows. A FitData
-    draws them itself (:meth:`~sklearn_lla._protocol.FitData.minibatches`: the same
+    draws them itself (:meth:`~sklearn_lla._core.protocol.FitData.minibatches`: the same
     draws up to ``MINIBATCH_CACHE_ROWS`` rows, then grouped blocks; numpy, memmap
     and dask inputs alike).
     """
@@ -107,7 +107,7 @@ def lr_factor(schedule, step: int, max_iter: int, final_factor: float = 0.01) ->
 
     Examples
     --------
-    >>> from sklearn_lla._optim import lr_factor
+    >>> from sklearn_lla._core.optim import lr_factor
     >>> [round(lr_factor("cosine", s, 5, final_factor=0.0), 3) for s in range(1, 6)]
     [1.0, 0.854, 0.5, 0.146, 0.0]
     >>> [lr_factor("step", s, 8) for s in (1, 4, 5, 7)]

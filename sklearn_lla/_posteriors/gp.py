@@ -13,7 +13,7 @@ lower-triangular factor ``L`` (initialised to ``I``) with
 The objective is the alpha-divergence energy (alpha = 1 by default, alpha = 0 gives the
 ELBO) on minibatches, ``(N / B) sum_b E_alpha(y_b) - KL``; :func:`alpha_energy` gives the
 per-point term and the optimisation runs through the shared loop
-(:func:`sklearn_lla._optim.minimize`).
+(:func:`sklearn_lla._core.optim.minimize`).
 
 What a method writes is a :class:`Kernel` (VaLLA: the scaled NTK ``s0^2 J(x) J(z)^T``;
 FMGP: parametric kernels) and, optionally, an extra loss term (FMGP's auxiliary
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ._hyper import Fixed, VariationalEnergy
-from ._optim import minibatches, minimize
-from ._protocol import LatentPredictive, Posterior
+from .._core.hyper import Fixed, VariationalEnergy
+from .._core.optim import minibatches, minimize
+from .._core.protocol import LatentPredictive, Posterior
 
 __all__ = [
     "FixedMeanGPPosterior",
@@ -260,7 +260,7 @@ def alpha_energy(likelihood, mean, cov, y, *, alpha: float = 1.0, noise=None, ep
         return likelihood.expected_log_prob(mean, cov, y, eps=eps)
     if eps is None:
         raise ValueError("classification with 0 < alpha < 1 needs Monte Carlo draws eps")
-    from ._likelihoods import _latent_draws
+    from .._core.likelihoods import _latent_draws
 
     f = _latent_draws(mean, cov, eps)  # (S, B, C)
     S_ = f.shape[0]

@@ -21,7 +21,7 @@ def _last_parametrised_leaf(module, example_input):
     One forward pass on ``example_input`` under ``torch.no_grad`` on a copy of the
     module objects (sharing the tensors; ``module`` itself is not touched).
     """
-    from ._structured_trace import share_copy
+    from .structured.trace import share_copy
 
     mod = share_copy(module)
     names = {id(m): n for n, m in mod.named_modules()}
@@ -53,7 +53,7 @@ class PenultimateFeatures:
 
     The forward pass runs on a per-thread copy of the network's module objects (they
     share its tensors) carrying a forward hook: the user's module and the
-    :class:`~sklearn_lla._linearize.LinearizedNet`'s own copy are never touched, and
+    :class:`~sklearn_lla._network.linearized.LinearizedNet`'s own copy are never touched, and
     calls from several threads do not interfere. The last result is cached per
     thread (keyed on the input tensor's identity and version), so the kernel and the
     predictive mean share one forward pass per batch.
@@ -71,7 +71,7 @@ class PenultimateFeatures:
     --------
     >>> import torch
     >>> from torch import nn
-    >>> from sklearn_lla._linearize import LinearizedNet
+    >>> from sklearn_lla._network.linearized import LinearizedNet
     >>> from sklearn_lla.kernels import PenultimateFeatures
     >>> module = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
     >>> x = torch.randn(4, 3)
@@ -129,7 +129,7 @@ class PenultimateFeatures:
         local = self._local
         mod = getattr(local, "module", None)
         if mod is None:
-            from ._structured_trace import share_copy
+            from .structured.trace import share_copy
 
             mod = share_copy(self.net.module)
             box = []

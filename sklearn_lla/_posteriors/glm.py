@@ -7,7 +7,7 @@ generalised linear model in ``w`` (``theta = theta_hat + V w``) with prior
 * ``V = I``: exact LLA in parameter space (:class:`JacobianFeatures`);
 * ``V`` = the selection of the last layer: last-layer LLA (:class:`JacobianFeatures`
   on a network linearised in its last layer only);
-* ``V`` = the Nystrom basis: ELLA (:class:`sklearn_lla.ella.NystromFeatures`);
+* ``V`` = the Nystrom basis: ELLA (:class:`sklearn_lla._posteriors.ella.NystromFeatures`);
 * ``V`` = a projector: subspace Laplace.
 
 :class:`GLMPosterior` streams the training data once, accumulating
@@ -19,7 +19,7 @@ eigendecomposes once and then, for any prior and noise variance,
 
 (``T`` the whitened eigenvectors, ``r`` the fraction of the data seen, 1 unless
 early stopping ended the stream early). Hyperparameter strategies
-(:mod:`sklearn_lla._hyper`) evaluate candidates from the eigenvalues alone.
+(:mod:`sklearn_lla._core.hyper`) evaluate candidates from the eigenvalues alone.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import abc
 import numpy as np
 import torch
 
-from ._hyper import Evidence, Fixed, ValidationGrid, WeightNorm, glm_log_evidence
-from ._protocol import FitData, LatentPredictive, Posterior
-from ._utils import safe_cholesky, safe_eigh
+from .._core.hyper import Evidence, Fixed, ValidationGrid, WeightNorm, glm_log_evidence
+from .._core.linalg import safe_cholesky, safe_eigh
+from .._core.protocol import FitData, LatentPredictive, Posterior
 
 __all__ = ["Features", "JacobianFeatures", "ProjectionFeatures", "GLMPosterior"]
 
@@ -169,7 +169,7 @@ def ggn_statistics(payload, batches):
     ``G = sum_n phi_n^T Lam_n phi_n`` (float64, K x K) and the residual sum of
     squares (regression) or log likelihood (classification). Results over
     disjoint row sets add, so the pass runs per partition
-    (:meth:`~sklearn_lla._protocol.FitData.reduce`).
+    (:meth:`~sklearn_lla._core.protocol.FitData.reduce`).
 
     Parameters
     ----------
@@ -239,7 +239,7 @@ def validation_residuals(lin, batches):
 def validation_nll(payload, batches):
     """Row sums of the negative log predictive over a grid of ``(s0^2, s2)``.
 
-    A row-sum pass (:meth:`~sklearn_lla._protocol.FitData.reduce`): on dask
+    A row-sum pass (:meth:`~sklearn_lla._core.protocol.FitData.reduce`): on dask
     validation data it runs per partition on the workers and only the
     ``len(s0) x len(s2)`` sums travel back.
 

@@ -1,0 +1,8 @@
+"""Everything that touches the user's ``nn.Module``.
+
+* :mod:`.resolve`: the ``net`` parameter, the default MLP, skorch training;
+* :mod:`.linearized`: ``LinearizedNet``, ``g(x)``, JVPs, VJPs, Jacobians, NTK blocks;
+* :mod:`.structured`: the structured fast path for chains of ``nn.Linear`` layers;
+* :mod:`.penultimate`: penultimate-layer features;
+* :mod:`.curvature`: KFAC, the GGN and its diagonal, SWAG variances.
+"""

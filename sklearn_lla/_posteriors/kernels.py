@@ -1,0 +1,717 @@
+"""The FMGP kernels (public through :mod:`sklearn_lla.kernels`): RBF and the
+classification kernel over (input, output index) pairs, in float64.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+
+import numpy as np
+import torch
+
+from .._network.penultimate import PenultimateFeatures
+from .gp import Kernel as _GPKernel
+from .kernel_helpers import _positive, _ScaledDistance, median_heuristic
+
+__all__ = ["ClassificationKernel", "Kernel", "PenultimateFeatures", "RBF", "median_heuristic"]
+
+_F64 = torch.float64
+
+
+class Kernel(_GPKernel):
+    """Base class of FMGP kernels: ``K((x, c), (x', c'))`` in float64.
+
+    Subclasses implement :meth:`gram`, :meth:`cross`, :meth:`diag_blocks`, list their
+    trainable tensors in :meth:`parameters` and report their amplitude as
+    :attr:`prior_variance`. :meth:`initialize` (optional) is called once at the start
+    of ``fit`` on a deep copy of the kernel the user passed, with a sample of the
+    training data: it builds the hyperparameter tensors (and may use the data for
+    their initial values). Every method must be free of side effects on shared state
+    once fitting is done (predictions run from several threads).
+
+    Examples
+    --------
+    A fixed (untrained) linear kernel on one output:
+
+    >>> import torch
+    >>> from sklearn_lla.kernels import Kernel
+    >>> class Linear(Kernel):
+    ...     @property
+    ...     def prior_variance(self):
+    ...         return 1.0
+    ...     def gram(self, z, cz):
+    ...         return z.double() @ z.double().T
+    ...     def cross(self, x, z, cz):
+    ...         return (x.double() @ z.double().T)[:, None, :]
+    ...     def diag_blocks(self, x):
+    ...         return (x.double() ** 2).sum(-1).reshape(-1, 1, 1)
+    >>> k = Linear()
+    >>> k.cross(torch.ones(2, 3), torch.ones(4, 3), torch.zeros(4, dtype=torch.long)).shape
+    torch.Size([2, 1, 4])
+    """
+
+    def initialize(self, X, y, *, n_outputs, task, net):
+        """Build the hyperparameters from a sample of the training data (optional hook).
+
+        Parameters
+        ----------
+        X : Tensor of shape (n, n_features)
+            A sample of the training inputs (float64, on the fitting device).
+        y : Tensor
+            Their targets: (n, n_outputs) float64 for regression, (n,) int64 labels
+            for classification.
+        n_outputs : int
+            ``C``, the number of network outputs.
+        task : {"regression", "classification"}
+            The task.
+        net : LinearizedNet
+            The frozen network (for kernels that use its features).
+
+        Returns
+        -------
+        self : Kernel
+            The initialised kernel.
+        """
+        return self
+
+    def parameters(self):
+        """Return the trainable leaf tensors (``requires_grad=True``).
+
+        Returns
+        -------
+        list of Tensor
+            Optimised together with the variational parameters.
+        """
+        return []
+
+    @property
+    @abc.abstractmethod
+    def prior_variance(self):
+        """The kernel's amplitude (reported as the estimator's ``prior_variance_``)."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def gram(self, z, cz):
+        """Compute the kernel matrix of the inducing pairs.
+
+        Parameters
+        ----------
+        z : Tensor of shape (M, n_features)
+            Inducing inputs.
+        cz : Tensor of shape (M,)
+            Output index of each inducing input.
+
+        Returns
+        -------
+        Tensor of shape (M, M)
+            ``K((z_i, cz_i), (z_j, cz_j))`` in float64.
+        """
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def cross(self, x, z, cz):
+        """Compute the covariances of every output of every point with the inducing pairs.
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, n_features)
+            Query points.
+        z : Tensor of shape (M, n_features)
+            Inducing inputs.
+        cz : Tensor of shape (M,)
+            Their output indices.
+
+        Returns
+        -------
+        Tensor of shape (B, C, M)
+            ``K((x_b, c), (z_m, cz_m))`` in float64.
+        """
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def diag_blocks(self, x):
+        """Compute the prior covariance between the outputs of each point.
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, n_features)
+            Query points.
+
+        Returns
+        -------
+        Tensor of shape (B, C, C)
+            ``K((x_b, c), (x_b, c'))`` in float64.
+        """
+        raise NotImplementedError
+
+    def cross_and_diag(self, x, z, cz):
+        """Return :meth:`cross` and :meth:`diag_blocks` of one batch together.
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, n_features)
+            Query points.
+        z : Tensor of shape (M, n_features)
+            Inducing inputs.
+        cz : Tensor of shape (M,)
+            Their output indices.
+
+        Returns
+        -------
+        Kxz : Tensor of shape (B, C, M)
+            ``cross(x, z, cz)``.
+        Kxx : Tensor of shape (B, C, C)
+            ``diag_blocks(x)``.
+        """
+        return super().cross_and_diag(x, z, cz)
+
+    def batch(self, x, z, cz):
+        """Return :meth:`gram`, :meth:`cross` and :meth:`diag_blocks` for one training step.
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, n_features)
+            The minibatch's inputs.
+        z : Tensor of shape (M, n_features)
+            Inducing inputs.
+        cz : Tensor of shape (M,)
+            Their output indices.
+
+        Returns
+        -------
+        Kzz : Tensor of shape (M, M)
+            ``gram(z, cz)``.
+        Kxz : Tensor of shape (B, C, M)
+            ``cross(x, z, cz)``.
+        Kxx : Tensor of shape (B, C, C)
+            ``diag_blocks(x)``.
+        """
+        return super().batch(x, z, cz)
+
+    def predictor(self, z, cz, W):
+        """Build the function used at prediction, ``x -> (Kxx blocks, Kxz W^T)``.
+
+        Parameters
+        ----------
+        z : Tensor of shape (M, n_features)
+            Fitted inducing inputs.
+        cz : Tensor of shape (M,)
+            Their output indices.
+        W : Tensor of shape (M, M)
+            The fitted factor with ``A = W^T W``.
+
+        Returns
+        -------
+        callable
+            ``predict(x) -> (Tensor (B, C, C), Tensor (B, C, M))``; thread-safe.
+        """
+        return super().predictor(z, cz, W)
+
+
+class RBF(Kernel):
+    """Squared-exponential kernel with ARD length scales: ``a exp(-r^2 / 2) [c = c']``.
+
+    ``r^2 = sum_d (x_d - x'_d)^2 / l_d^2``. Each output is an independent GP with the
+    same kernel (``[c = c']``); the inducing pairs carry their output index.
+
+    Parameters
+    ----------
+    length_scale : float, array-like of shape (n_features,) or None, default=None
+        ``l_d``. ``None``: the median heuristic of :func:`median_heuristic` on a sample
+        of the training inputs (per feature, in the inputs' own units, so raw and
+        standardised inputs give the same kernel).
+    amplitude : float or None, default=None
+        ``a``, the prior variance of each output. ``None``: the variance of the
+        training targets (regression, averaged over targets), 1 for classification.
+    learn_length_scale : bool, default=True
+        Learn ``log l_d`` (else keep the initial values).
+    learn_amplitude : bool, default=True
+        Learn ``log a``.
+
+    Attributes
+    ----------
+    length_scale_ : ndarray of shape (n_features,)
+        Current length scales (after ``initialize``).
+    amplitude_ : float
+        Current amplitude.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from sklearn_lla.kernels import RBF
+    >>> k = RBF(length_scale=1.0, amplitude=2.0).initialize(
+    ...     torch.zeros(5, 2, dtype=torch.float64), None, n_outputs=1,
+    ...     task="regression", net=None)
+    >>> z = torch.tensor([[0.0, 0.0], [1.0, 0.0]], dtype=torch.float64)
+    >>> k.gram(z, torch.zeros(2, dtype=torch.long)).detach().numpy().round(4)
+    array([[2.    , 1.2131],
+           [1.2131, 2.    ]])
+    """
+
+    def __init__(self, length_scale=None, amplitude=None, *, learn_length_scale=True,
+                 learn_amplitude=True):
+        self.length_scale = length_scale
+        self.amplitude = amplitude
+        self.learn_length_scale = learn_length_scale
+        self.learn_amplitude = learn_amplitude
+
+    def _init_rbf(self, X, default_amplitude):
+        X = X.detach().to(_F64).reshape(len(X), -1)
+        D = X.shape[1]
+        if self.length_scale is None:
+            ls = median_heuristic(X.cpu().numpy())
+        else:
+            ls = np.broadcast_to(_positive(self.length_scale, "length_scale", (D,)), (D,))
+        amp = default_amplitude if self.amplitude is None else float(
+            _positive(self.amplitude, "amplitude"))
+        dev = X.device
+        self.log_length_scale = torch.tensor(np.log(ls), dtype=_F64, device=dev,
+                                             requires_grad=bool(self.learn_length_scale))
+        self.log_amplitude = torch.tensor(math.log(amp), dtype=_F64, device=dev,
+                                          requires_grad=bool(self.learn_amplitude))
+        center = X.mean(0) if len(X) else torch.zeros(D, dtype=_F64, device=dev)
+        self._dist = _ScaledDistance(self.log_length_scale, center)
+
+    def initialize(self, X, y, *, n_outputs, task, net):
+        """Set the length scales and amplitude from a sample of the training data.
+
+        Parameters
+        ----------
+        X : Tensor of shape (n, n_features)
+            A sample of the training inputs.
+        y : Tensor or None
+            Their targets (the regression amplitude's initial value is their
+            variance).
+        n_outputs : int
+            ``C``.
+        task : {"regression", "classification"}
+            The task.
+        net : LinearizedNet or None
+            Unused.
+
+        Returns
+        -------
+        self : RBF
+            The initialised kernel.
+        """
+        amp = 1.0
+        if task == "regression" and y is not None and len(y) > 1:
+            v = float(y.double().reshape(len(y), -1).var(0).mean())
+            amp = v if math.isfinite(v) and v > 0 else 1.0
+        self._init_rbf(X, amp)
+        self.n_outputs = int(n_outputs)
+        return self
+
+    def parameters(self):
+        """Return the trainable tensors: ``log l`` and ``log a`` (those learned).
+
+        Returns
+        -------
+        list of Tensor
+            The learned leaves (``requires_grad=True`` until fitting ends).
+        """
+        return ([self.log_length_scale] if self.learn_length_scale else []) + (
+            [self.log_amplitude] if self.learn_amplitude else [])
+
+    @property
+    def prior_variance(self):
+        """The amplitude ``a``."""
+        return float(torch.exp(self.log_amplitude.detach()))
+
+    @property
+    def length_scale_(self):
+        """The current length scales ``l_d`` (ndarray)."""
+        return torch.exp(self.log_length_scale.detach()).cpu().numpy()
+
+    @property
+    def amplitude_(self):
+        """The current amplitude ``a`` (float)."""
+        return self.prior_variance
+
+    def _k(self, a, b):
+        """``a exp(-r^2 / 2)`` between scaled rows."""
+        return torch.exp(self.log_amplitude - 0.5 * _ScaledDistance.sq(a, b))
+
+    def _onehot(self, cz):
+        return (torch.arange(self.n_outputs, device=cz.device)[:, None] == cz[None, :]).to(_F64)
+
+    def gram(self, z, cz):
+        """Compute the kernel matrix of the inducing pairs.
+
+        Parameters
+        ----------
+        z : Tensor of shape (M, n_features)
+            Inducing inputs.
+        cz : Tensor of shape (M,)
+            Output index of each inducing input.
+
+        Returns
+        -------
+        Tensor of shape (M, M)
+            ``a exp(-r^2 / 2) [cz_i = cz_j]``.
+        """
+        zs = self._dist.scale(z)
+        return self._k(zs, zs) * (cz[:, None] == cz[None, :]).to(_F64)
+
+    def cross(self, x, z, cz):
+        """Compute the covariances of every output of every point with the inducing pairs.
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, n_features)
+            Query points.
+        z : Tensor of shape (M, n_features)
+            Inducing inputs.
+        cz : Tensor of shape (M,)
+            Their output indices.
+
+        Returns
+        -------
+        Tensor of shape (B, C, M)
+            ``a exp(-r^2 / 2) [c = cz_m]``.
+        """
+        k = self._k(self._dist.scale(x), self._dist.scale(z))
+        return k[:, None, :] * self._onehot(cz)[None]
+
+    def diag_blocks(self, x):
+        """Compute the prior covariance between the outputs of each point: ``a I``.
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, n_features)
+            Query points.
+
+        Returns
+        -------
+        Tensor of shape (B, C, C)
+            ``a I_C`` per point.
+        """
+        eye = torch.eye(self.n_outputs, dtype=_F64, device=self.log_amplitude.device)
+        return (torch.exp(self.log_amplitude) * eye).expand(len(x), -1, -1).clone()
+
+    def predictor(self, z, cz, W):
+        """Build the prediction function, with the scaled ``Z`` and ``W`` per output folded.
+
+        Parameters
+        ----------
+        z : Tensor of shape (M, n_features)
+            Fitted inducing inputs.
+        cz : Tensor of shape (M,)
+            Their output indices.
+        W : Tensor of shape (M, M)
+            The fitted factor with ``A = W^T W``.
+
+        Returns
+        -------
+        callable
+            ``predict(x) -> (Kxx blocks (B, C, C), Kxz W^T (B, C, M))``; thread-safe.
+        """
+        with torch.no_grad():
+            center = self._dist.center.detach()
+            inv_ls = torch.exp(-self.log_length_scale.detach())
+            zs = self._dist.scale(z.detach())
+            zsT, zsq = zs.T.contiguous(), (zs * zs).sum(-1)[None, :]
+            log_amp = float(self.log_amplitude.detach())
+            # Kxz W^T = sum_m k(x, z_m) [c = cz_m] W^T[m, :]: one (B, M) x (M, C M) product
+            Wc = self._onehot(cz)[:, :, None] * W.detach().T[None]  # (C, M, M)
+            Wc = Wc.permute(1, 0, 2).reshape(len(cz), -1)  # (M, C M)
+            C = self.n_outputs
+            block = math.exp(log_amp) * torch.eye(C, dtype=_F64, device=zs.device)
+
+        def predict(x):
+            with torch.no_grad():
+                xs = (x.to(_F64).reshape(len(x), -1) - center).mul_(inv_ls)
+                d2 = torch.addmm(zsq, xs, zsT, alpha=-2.0).add_((xs * xs).sum(-1, keepdim=True))
+                k = d2.clamp_min_(0.0).mul_(-0.5).add_(log_amp).exp_()
+                return block.expand(len(x), C, C), (k @ Wc).reshape(len(x), C, -1)
+
+        return predict
+
+    def __repr__(self):
+        return (f"RBF(length_scale={self.length_scale!r}, amplitude={self.amplitude!r}, "
+                f"learn_length_scale={self.learn_length_scale}, "
+                f"learn_amplitude={self.learn_amplitude})")
+
+
+class ClassificationKernel(RBF):
+    """The thesis' classification kernel ``a B_cc' RBF(x, x') (psi(x)^T psi(x') / s + delta)``.
+
+    ``B = L_B L_B^T`` (C x C, ``L_B`` lower triangular, initialised to ``I``) couples the
+    logits; ``RBF`` is the unit-amplitude ARD squared exponential on the inputs (median
+    heuristic); ``psi`` are the network's penultimate features (see
+    :class:`PenultimateFeatures`), ``s`` their mean squared norm on the training data
+    (so that the linear part is of order one; the thesis has ``s = 1``), and
+    ``delta = [x = x']`` (identical inputs) a nugget that keeps ``K`` positive
+    definite. Learned: ``a``, the length scales and ``L_B``.
+
+    Parameters
+    ----------
+    length_scale : float, array-like of shape (n_features,) or None, default=None
+        ``l_d``; ``None``: the median heuristic.
+    amplitude : float or None, default=None
+        ``a``; ``None``: 1.
+    penultimate_layer : str or None, default=None
+        Name of the module whose output is ``psi(x)``; ``None``: the input of the
+        network's last ``nn.Linear`` (see :class:`PenultimateFeatures`).
+    learn_length_scale : bool, default=True
+        Learn ``log l_d``.
+    learn_amplitude : bool, default=True
+        Learn ``log a``.
+
+    Attributes
+    ----------
+    length_scale_ : ndarray of shape (n_features,)
+        Current length scales.
+    amplitude_ : float
+        Current amplitude.
+    B_ : ndarray of shape (C, C)
+        Current output covariance ``L_B L_B^T``.
+    features_ : PenultimateFeatures
+        The feature map.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch import nn
+    >>> from sklearn_lla._network.linearized import LinearizedNet
+    >>> from sklearn_lla.kernels import ClassificationKernel
+    >>> module = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    >>> X = torch.randn(20, 2, dtype=torch.float64)
+    >>> k = ClassificationKernel().initialize(
+    ...     X, None, n_outputs=3, task="classification",
+    ...     net=LinearizedNet(module, example_input=X))
+    >>> k.cross(X[:4], X[:5], torch.tensor([0, 1, 2, 0, 1])).shape
+    torch.Size([4, 3, 5])
+    """
+
+    def __init__(self, length_scale=None, amplitude=None, *, penultimate_layer=None,
+                 learn_length_scale=True, learn_amplitude=True):
+        super().__init__(length_scale, amplitude, learn_length_scale=learn_length_scale,
+                         learn_amplitude=learn_amplitude)
+        self.penultimate_layer = penultimate_layer
+
+    def initialize(self, X, y, *, n_outputs, task, net):
+        """Set the hyperparameters and the feature map from a sample of the training data.
+
+        Parameters
+        ----------
+        X : Tensor of shape (n, n_features)
+            A sample of the training inputs.
+        y : Tensor or None
+            Their labels (unused).
+        n_outputs : int
+            ``C``.
+        task : {"regression", "classification"}
+            The task.
+        net : LinearizedNet
+            The frozen network whose penultimate features are used.
+
+        Returns
+        -------
+        self : ClassificationKernel
+            The initialised kernel.
+        """
+        if net is None:
+            raise ValueError("ClassificationKernel needs the network (net=...)")
+        self._init_rbf(X, 1.0)
+        self.n_outputs = int(n_outputs)
+        self.features_ = PenultimateFeatures(net, self.penultimate_layer, X[:8])
+        with torch.no_grad():
+            _, psi = self.features_(X.to(net.dtype))
+            ms = float((psi.double() ** 2).sum(-1).mean()) if len(psi) else 1.0
+        self.feature_scale = 1.0 / ms if math.isfinite(ms) and ms > 0 else 1.0
+        C = self.n_outputs
+        self.L_B = torch.eye(C, dtype=_F64, device=X.device, requires_grad=True)
+        return self
+
+    def parameters(self):
+        """Return the trainable tensors: ``log l``, ``log a`` (those learned) and ``L_B``.
+
+        Returns
+        -------
+        list of Tensor
+            The learned leaves (``requires_grad=True`` until fitting ends).
+        """
+        return super().parameters() + [self.L_B]
+
+    @property
+    def B_(self):
+        """The output covariance ``L_B L_B^T`` (ndarray)."""
+        L = torch.tril(self.L_B.detach())
+        return (L @ L.T).cpu().numpy()
+
+    def _B(self):
+        L = torch.tril(self.L_B)
+        return L @ L.T
+
+    def _psi(self, x):
+        _, psi = self.features_(x)
+        return psi.to(_F64)
+
+    @staticmethod
+    def _same(x, z, d2):
+        """``[x_b = z_m]`` (exact equality of the rows), found among near-zero distances."""
+        eq = torch.zeros(d2.shape, dtype=_F64, device=d2.device)
+        cand = torch.nonzero(d2.detach() <= 1e-10, as_tuple=False)
+        if len(cand):
+            xa = x.detach().to(_F64).reshape(len(x), -1)[cand[:, 0]]
+            za = z.detach().to(_F64).reshape(len(z), -1)[cand[:, 1]]
+            hit = (xa == za).all(-1)
+            eq[cand[hit, 0], cand[hit, 1]] = 1.0
+        return eq
+
+    def _factor(self, x, xs, psi_x, z, zs, psi_z):
+        """``RBF(x, z) (psi_x psi_z^T / s + [x = z])`` without the amplitude, (B, M)."""
+        d2 = _ScaledDistance.sq(xs, zs)
+        lin = self.feature_scale * (psi_x @ psi_z.T) + self._same(x, z, d2)
+        return torch.exp(-0.5 * d2) * lin
+
+    def gram(self, z, cz):
+        """Compute the kernel matrix of the inducing pairs.
+
+        Parameters
+        ----------
+        z : Tensor of shape (M, n_features)
+            Inducing inputs.
+        cz : Tensor of shape (M,)
+            Their class indices.
+
+        Returns
+        -------
+        Tensor of shape (M, M)
+            ``a B[cz_i, cz_j] RBF(z_i, z_j) (psi_i^T psi_j / s + [z_i = z_j])``.
+        """
+        zs = self._dist.scale(z)
+        f = self._factor(z, zs, self._psi(z), z, zs, self._psi(z))
+        B = self._B()
+        return torch.exp(self.log_amplitude) * B[cz][:, cz] * f
+
+    def cross(self, x, z, cz):
+        """Compute the covariances of every logit of every point with the inducing pairs.
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, n_features)
+            Query points.
+        z : Tensor of shape (M, n_features)
+            Inducing inputs.
+        cz : Tensor of shape (M,)
+            Their class indices.
+
+        Returns
+        -------
+        Tensor of shape (B, C, M)
+            ``a B[c, cz_m] RBF(x_b, z_m) (psi_b^T psi_m / s + [x_b = z_m])``.
+        """
+        return self._cross(x, self._psi(x), self._dist.scale(z), z, self._psi(z), cz)
+
+    def _cross(self, x, psi_x, zs, z, psi_z, cz):
+        f = self._factor(x, self._dist.scale(x), psi_x.to(_F64), z, zs, psi_z)
+        Bz = self._B()[:, cz]  # (C, M)
+        return torch.exp(self.log_amplitude) * f[:, None, :] * Bz[None]
+
+    def diag_blocks(self, x):
+        """Compute the prior covariance between the logits of each point.
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, n_features)
+            Query points.
+
+        Returns
+        -------
+        Tensor of shape (B, C, C)
+            ``a B (|psi(x)|^2 / s + 1)`` per point.
+        """
+        return self._diag(self._psi(x))
+
+    def _diag(self, psi):
+        lin = self.feature_scale * (psi * psi).sum(-1) + 1.0
+        return torch.exp(self.log_amplitude) * lin[:, None, None] * self._B()[None]
+
+    def cross_and_diag(self, x, z, cz):
+        """Return :meth:`cross` and :meth:`diag_blocks` from one evaluation of ``psi(x)``.
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, n_features)
+            Query points.
+        z : Tensor of shape (M, n_features)
+            Inducing inputs.
+        cz : Tensor of shape (M,)
+            Their class indices.
+
+        Returns
+        -------
+        Kxz : Tensor of shape (B, C, M)
+            ``cross(x, z, cz)``.
+        Kxx : Tensor of shape (B, C, C)
+            ``diag_blocks(x)``.
+        """
+        psi_z = self._psi(z)
+        psi_x = self._psi(x)
+        return self._cross(x, psi_x, self._dist.scale(z), z, psi_z, cz), self._diag(psi_x)
+
+    def batch(self, x, z, cz):
+        """Return :meth:`gram`, :meth:`cross` and :meth:`diag_blocks` with one ``psi`` pass each.
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, n_features)
+            The minibatch's inputs.
+        z : Tensor of shape (M, n_features)
+            Inducing inputs.
+        cz : Tensor of shape (M,)
+            Their class indices.
+
+        Returns
+        -------
+        Kzz : Tensor of shape (M, M)
+            ``gram(z, cz)``.
+        Kxz : Tensor of shape (B, C, M)
+            ``cross(x, z, cz)``.
+        Kxx : Tensor of shape (B, C, C)
+            ``diag_blocks(x)``.
+        """
+        psi_z = self._psi(z)
+        zs = self._dist.scale(z)
+        Kzz = (torch.exp(self.log_amplitude) * self._B()[cz][:, cz]
+               * self._factor(z, zs, psi_z, z, zs, psi_z))
+        psi_x = self._psi(x)  # last: the predictive mean of x then reuses this pass
+        return Kzz, self._cross(x, psi_x, zs, z, psi_z, cz), self._diag(psi_x)
+
+    def predictor(self, z, cz, W):
+        """Build the prediction function, with ``psi(Z)`` computed once.
+
+        Parameters
+        ----------
+        z : Tensor of shape (M, n_features)
+            Fitted inducing inputs.
+        cz : Tensor of shape (M,)
+            Their class indices.
+        W : Tensor of shape (M, M)
+            The fitted factor with ``A = W^T W``.
+
+        Returns
+        -------
+        callable
+            ``predict(x) -> (Kxx blocks (B, C, C), Kxz W^T (B, C, M))``; thread-safe.
+        """
+        with torch.no_grad():
+            z = z.detach()
+            zs = self._dist.scale(z)
+            psi_z = self._psi(z).detach()
+            W = W.detach()
+
+        def predict(x):
+            with torch.no_grad():
+                _, psi_x = self.features_(x)
+                Kxz = self._cross(x, psi_x, zs, z, psi_z, cz)
+                return self.diag_blocks(x), Kxz @ W.T
+
+        return predict
+
+    def __repr__(self):
+        return (f"ClassificationKernel(length_scale={self.length_scale!r}, "
+                f"amplitude={self.amplitude!r}, penultimate_layer={self.penultimate_layer!r})")
