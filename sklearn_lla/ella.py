@@ -5,7 +5,7 @@ The scikit-learn estimators; the Nystrom features and their posterior are in
 """
 from __future__ import annotations
 
-from numbers import Integral, Real
+from numbers import Integral
 
 from sklearn.utils._param_validation import Interval, StrOptions
 
@@ -15,7 +15,6 @@ from ._base import (
     LaplaceClassifierMixin,
     LaplaceRegressorMixin,
 )
-from ._core.protocol import carve_validation
 from ._posteriors.ella import NystromFeatures
 from ._posteriors.glm import GLMPosterior
 
@@ -33,18 +32,17 @@ class _ELLAMixin:
         "search_freq": [Interval(Integral, 1, None, closed="left")],
         "n_iter_no_change": [Interval(Integral, 1, None, closed="left")],
         "residual_correction": ["boolean"],
-        "validation_fraction": [Interval(Real, 0, 1, closed="neither")],
     }
 
     def _make_posterior(self, data):
-        noise = self.noise_variance if data.likelihood.task == "regression" else None
-        if self.early_stopping and data.validation is None:
-            data.validation = carve_validation(data, self.validation_fraction)
+        regression = data.likelihood.task == "regression"
+        noise = self.noise_variance if regression else None
         return GLMPosterior(NystromFeatures(self.n_nystrom, self.n_components),
                             self.prior_variance, noise, hyper=self.hyper_strategy,
                             early_stopping=self.early_stopping,
                             search_freq=self.search_freq, n_iter_no_change=self.n_iter_no_change,
-                            residual_correction=self.residual_correction, label="ELLA")
+                            residual_correction=self.residual_correction, label="ELLA",
+                            fallback="evidence" if regression else "weight_norm")
 
     def _store_fitted(self, posterior):
         self.n_components_ = posterior.features.dim
@@ -71,24 +69,27 @@ class ELLARegressor(_ELLAMixin, LaplaceRegressorMixin):
         component costs ``P`` multiply-adds per row at fit and predict; ``P`` is the
         number of linearised parameters): 25 for a 3 x 200 MLP on 8 inputs.
     prior_variance : float or "auto", default="auto"
-        ``s0^2``. ``"auto"``: validation NLL over a log grid when validation data is
-        available, otherwise the Laplace evidence of the subspace model.
+        ``s0^2``. ``"auto"``: the Laplace evidence of the network's linearised model
+        over the Nystrom spectrum (with all pairs and components it is exact LLA's
+        choice); never chosen on held-out rows unless ``hyper_strategy="validation"``.
     noise_variance : float or "auto", default="auto"
-        ``s2``, chosen jointly with ``prior_variance``.
+        ``s2``. ``"auto"``: with held-out rows the network did not fit
+        (``validation_data``, rows held out when ``fit`` trains the net, or a skorch
+        net's own validation split) the held-out NLL's minimiser along the evidence
+        ridge; without them the evidence, jointly with the prior.
     hyper_strategy : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
-        How ``"auto"`` variances are chosen: ``"validation"`` (validation NLL on
-        held-out rows the network did not fit), ``"evidence"`` (Laplace marginal
-        likelihood) or ``"weight_norm"`` (``||theta||^2 / P``). ``"auto"`` uses
-        ``"validation"`` when held-out rows exist (``validation_data``, rows held out
-        from training a network in ``fit``, or a skorch net's own validation split)
-        and the evidence otherwise.
+        The objective of ``"auto"`` prior variances: ``"auto"`` and ``"evidence"``
+        the Laplace evidence, ``"weight_norm"`` ``||theta||^2 / P``;
+        ``"validation"`` chooses both variances jointly on a held-out grid (it can
+        end at the raw network, with a warning).
     early_stopping : bool, default=False
-        Stream the training data in random order, evaluate the validation NLL every
-        ``search_freq`` points with prior term ``(n_seen / N) I / s0^2`` and keep the
-        best state (the paper's remedy for LLA's over-concentration at large N).
+        Stream the training data in random order, evaluate the held-out NLL every
+        ``search_freq`` points (prior term ``(n_seen / N) I / s0^2``, hyperparameters
+        as above) and keep the best state (the paper's remedy for LLA's
+        over-concentration at large N). Needs rows the network did not fit.
     validation_fraction : float, default=0.1
-        Fraction of rows held out when validation is needed (early stopping, or a
-        network trained in ``fit``) and no ``validation_data`` is given.
+        Fraction of the rows held out from training when ``fit`` trains the network
+        and no ``validation_data`` is given.
     search_freq : int, default=1000
         Training points between validation evaluations.
     n_iter_no_change : int, default=5
@@ -121,9 +122,11 @@ class ELLARegressor(_ELLAMixin, LaplaceRegressorMixin):
     validation_scores_ : list of tuple
         ``(n_seen, validation NLL)`` at each early-stopping check.
     hyper_strategy_ : str
-        How ``"auto"`` values were chosen.
+        The objective of the ``"auto"`` values (``"evidence"``, ``"validation"`` or
+        ``"fixed"``).
     hyper_trace_ : dict
-        Candidates tried and their scores.
+        Candidates tried and their scores; ``"calibration"`` holds the search of the
+        noise variance on held-out rows, when there was one.
     net_ : object
         The pretrained or trained network.
     linearized_net_ : LinearizedNet
@@ -135,6 +138,14 @@ class ELLARegressor(_ELLAMixin, LaplaceRegressorMixin):
     validation_source_ : str or None
         Where the held-out rows came from (``"validation_data"``, rows held out from
         training the network, the skorch net's own validation split), or ``None``.
+    conformal_scores_ : ndarray of shape (n_cal,) or (n_cal, n_targets)
+        Sorted split-conformal scores ``|y - mean| / std`` of the held-out rows (set by
+        ``fit`` when it had held-out rows, or by :meth:`conformalize`); used by
+        :meth:`predict_interval`. Absent when the estimator is not calibrated.
+    conformal_n_ : int
+        Number of calibration rows.
+    conformal_source_ : str
+        Where they came from: ``validation_source_`` of ``fit``, or ``"conformalize"``.
     likelihood_ : Gaussian
         The fitted likelihood.
     posterior_ : GLMPosterior
@@ -203,19 +214,23 @@ class ELLAClassifier(_ELLAMixin, LaplaceClassifierMixin):
     n_components : int or "auto", default="auto"
         ``K``; ``"auto"`` as in :class:`ELLARegressor`.
     prior_variance : float or "auto", default="auto"
-        ``s0^2``. ``"auto"``: validation NLL when validation data is available,
-        otherwise the Laplace evidence of the subspace model.
+        ``s0^2``. ``"auto"``: chosen by ``hyper_strategy``'s objective, never on
+        held-out rows unless ``hyper_strategy="validation"``. With ``"auto"`` and
+        held-out rows the network did not fit, a temperature of the latent predictive
+        is also calibrated on them (``temperature_``), kept only if it lowers their
+        NLL out of fold and never sharper than the network.
     hyper_strategy : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
-        How an ``"auto"`` prior variance is chosen: ``"validation"`` (validation NLL on
-        held-out rows the network did not fit), ``"evidence"`` (Laplace marginal
-        likelihood) or ``"weight_norm"`` (``||theta||^2 / P``). ``"auto"`` uses
-        ``"validation"`` when held-out rows exist (``validation_data``, rows held out
-        from training a network in ``fit``, or a skorch net's own validation split)
-        and the evidence otherwise.
+        The objective of an ``"auto"`` prior variance: ``"auto"`` and
+        ``"weight_norm"`` ``||theta||^2 / P`` (as exact LLA's classifier: the
+        evidence of a net that fits its training labels picks priors that wreck
+        calibration), ``"evidence"`` the Laplace evidence; ``"validation"`` a
+        held-out grid (it can end at the raw network, with a warning).
     early_stopping : bool, default=False
-        Early stopping of the training stream on validation NLL.
+        Early stopping of the training stream on the held-out NLL (needs rows the
+        network did not fit).
     validation_fraction : float, default=0.1
-        Fraction of rows held out when validation is needed and not given.
+        Fraction of the rows held out from training when ``fit`` trains the network
+        and no ``validation_data`` is given.
     search_freq : int, default=1000
         Training points between validation evaluations.
     n_iter_no_change : int, default=5
@@ -253,9 +268,14 @@ class ELLAClassifier(_ELLAMixin, LaplaceClassifierMixin):
     validation_scores_ : list of tuple
         ``(n_seen, validation NLL)`` at each early-stopping check.
     hyper_strategy_ : str
-        How ``"auto"`` values were chosen.
+        The objective of the ``"auto"`` prior variance (``"evidence"``,
+        ``"weight_norm"``, ``"validation"`` or ``"fixed"``).
     hyper_trace_ : dict
-        Candidates tried and their scores.
+        Candidates tried and their scores; ``"calibration"`` holds the temperature
+        search on held-out rows, when there was one.
+    temperature_ : float
+        Temperature of the latent predictive calibrated on held-out rows (1.0 when
+        there were none, or when it did not help out of fold).
     net_ : object
         The pretrained or trained network.
     linearized_net_ : LinearizedNet
@@ -267,6 +287,15 @@ class ELLAClassifier(_ELLAMixin, LaplaceClassifierMixin):
     validation_source_ : str or None
         Where the held-out rows came from (``"validation_data"``, rows held out from
         training the network, the skorch net's own validation split), or ``None``.
+    conformal_scores_ : dict of str to ndarray of shape (n_cal,)
+        Sorted split-conformal scores of the true labels (a dict by set
+        method) of the held-out rows (set by
+        ``fit`` when it had held-out rows, or by :meth:`conformalize`); used by
+        :meth:`predict_set`. Absent when the estimator is not calibrated.
+    conformal_n_ : int
+        Number of calibration rows.
+    conformal_source_ : str
+        Where they came from: ``validation_source_`` of ``fit``, or ``"conformalize"``.
     likelihood_ : Categorical or Bernoulli
         The likelihood.
     posterior_ : GLMPosterior

@@ -33,7 +33,7 @@ class _LLAMixin:
         if self.subset_of_weights != "last_layer":
             return {}
         from ._core.protocol import to_batch
-        from ._network.linearized import last_layer_param_names
+        from ._network.resolve import last_layer_param_names
 
         example = to_batch(X, slice(0, min(len(X), 8)), next(module.parameters()).dtype, device)
         return {"param_names": last_layer_param_names(module, example)}
@@ -42,10 +42,10 @@ class _LLAMixin:
         regression = data.likelihood.task == "regression"
         noise = self.noise_variance if regression else None
         space = _choose_space(self.space, data.lin.n_params, data.n_samples * data.n_outputs)
-        # without held-out data: the evidence, except for full-network classification
-        # where it was measured to wreck calibration (docs/calibration.md)
-        full_clf = not regression and self.subset_of_weights == "all"
-        fallback = "weight_norm" if full_clf else "evidence"
+        # the objective of "auto": the evidence for regression; for classification the
+        # weight norm, full network and last layer alike (the evidence of a net that fits
+        # its training labels was measured to wreck calibration: docs/hyperparameters.md)
+        fallback = "evidence" if regression else "weight_norm"
         if space == "function":
             post = FunctionSpacePosterior(self.prior_variance, noise, self.hyper_strategy,
                                           fallback=fallback)
@@ -77,18 +77,20 @@ class LLARegressor(_LLAMixin, LaplaceRegressorMixin):
         is and never modified; an unfitted skorch net is trained in ``fit``.
     prior_variance : float or "auto", default="auto"
         ``s0^2`` of the isotropic Gaussian prior on the linearised weights.
-        ``"auto"``: validation NLL when validation data is available, otherwise the
-        Laplace log marginal likelihood (see ``hyper_strategy_``).
+        ``"auto"``: the Laplace log marginal likelihood (evidence) of the linearised
+        model; never chosen on held-out rows unless ``hyper_strategy="validation"``.
     noise_variance : float or "auto", default="auto"
-        ``s2`` of the Gaussian likelihood, chosen jointly with ``prior_variance``; one
-        variance shared by all targets.
+        ``s2`` of the Gaussian likelihood, one variance shared by all targets.
+        ``"auto"``: with held-out rows the network did not fit (``validation_data``,
+        rows held out when ``fit`` trains the net, or a skorch net's own validation
+        split) the held-out NLL's minimiser along the evidence ridge (for each
+        candidate noise the prior is the evidence optimum); without them, the
+        evidence jointly with the prior.
     hyper_strategy : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
-        How ``"auto"`` variances are chosen: ``"validation"`` (validation NLL on
-        held-out rows the network did not fit), ``"evidence"`` (Laplace marginal
-        likelihood) or ``"weight_norm"`` (``||theta||^2 / P``). ``"auto"`` uses
-        ``"validation"`` when held-out rows exist (``validation_data``, rows held out
-        from training a network in ``fit``, or a skorch net's own validation split)
-        and the evidence otherwise.
+        The objective of ``"auto"`` prior variances: ``"auto"`` and ``"evidence"``
+        the Laplace evidence, ``"weight_norm"`` ``||theta||^2 / P``;
+        ``"validation"`` chooses both variances jointly on a held-out grid (it can
+        end at the raw network, with a warning; see docs/hyperparameters.md).
     space : {"auto", "parameter", "function"}, default="auto"
         Where to form the dense posterior: ``P x P`` (parameter) or ``NC x NC``
         (function). ``"auto"`` takes the smaller.
@@ -98,7 +100,7 @@ class LLARegressor(_LLAMixin, LaplaceRegressorMixin):
     validation_fraction : float, default=0.1
         Fraction of the rows held out from training when ``fit`` trains the network
         (``net=None`` or an unfitted skorch net) and no ``validation_data`` is given;
-        those rows choose the ``"auto"`` hyperparameters.
+        those rows calibrate an ``"auto"`` noise variance.
     trainable_only : bool, default=True
         Linearise only parameters with ``requires_grad=True`` (frozen ones are held
         fixed, as in laplace-torch); ``False`` linearises every parameter.
@@ -118,10 +120,11 @@ class LLARegressor(_LLAMixin, LaplaceRegressorMixin):
     noise_variance_ : float
         Noise variance in use.
     hyper_strategy_ : str
-        How ``"auto"`` values were chosen (``"evidence"``, ``"validation"`` or
-        ``"fixed"``).
+        The objective of the ``"auto"`` values (``"evidence"``, ``"weight_norm"``,
+        ``"validation"`` or ``"fixed"``).
     hyper_trace_ : dict
-        Candidates tried and their scores.
+        Candidates tried and their scores; ``"calibration"`` holds the search of the
+        noise variance on held-out rows, when there was one.
     log_marginal_likelihood_ : float or None
         Laplace evidence at the chosen hyperparameters (when computed).
     space_ : str
@@ -137,6 +140,14 @@ class LLARegressor(_LLAMixin, LaplaceRegressorMixin):
     validation_source_ : str or None
         Where the held-out rows came from (``"validation_data"``, rows held out from
         training the network, the skorch net's own validation split), or ``None``.
+    conformal_scores_ : ndarray of shape (n_cal,) or (n_cal, n_targets)
+        Sorted split-conformal scores ``|y - mean| / std`` of the held-out rows (set by
+        ``fit`` when it had held-out rows, or by :meth:`conformalize`); used by
+        :meth:`predict_interval`. Absent when the estimator is not calibrated.
+    conformal_n_ : int
+        Number of calibration rows.
+    conformal_source_ : str
+        Where they came from: ``validation_source_`` of ``fit``, or ``"conformalize"``.
     likelihood_ : Gaussian
         The fitted likelihood.
     posterior_ : Posterior
@@ -198,17 +209,20 @@ class LLAClassifier(_LLAMixin, LaplaceClassifierMixin):
         a fitted skorch net, ``FrozenEstimator(net)`` or an ``nn.Module`` is used as it
         is and never modified; an unfitted skorch net is trained in ``fit``.
     prior_variance : float or "auto", default="auto"
-        ``s0^2`` of the isotropic Gaussian prior. ``"auto"``: validation NLL when
-        validation data is available, otherwise the Laplace log marginal likelihood.
+        ``s0^2`` of the isotropic Gaussian prior. ``"auto"``: chosen by
+        ``hyper_strategy``'s objective, never on held-out rows unless
+        ``hyper_strategy="validation"``. With ``"auto"`` and held-out rows the
+        network did not fit (``validation_data``, rows held out when ``fit`` trains
+        the net, or a skorch net's own validation split), a temperature of the
+        latent predictive is also calibrated on them (``temperature_``), kept only
+        if it lowers their NLL out of fold and never sharper than the network.
     hyper_strategy : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
-        How an ``"auto"`` prior variance is chosen: ``"validation"`` (validation NLL
-        on held-out rows the network did not fit), ``"evidence"`` (Laplace marginal
-        likelihood) or ``"weight_norm"`` (``||theta||^2 / P``). ``"auto"`` uses
-        ``"validation"`` when held-out rows exist (``validation_data``, rows held out
-        from training a network in ``fit``, or a skorch net's own validation split),
-        otherwise the evidence, except with ``subset_of_weights="all"``, where the
-        full-network evidence was measured to wreck calibration and
-        ``"weight_norm"`` is used.
+        The objective of an ``"auto"`` prior variance: ``"auto"`` and
+        ``"weight_norm"`` ``||theta||^2 / P`` over the linearised parameters (the
+        Laplace evidence of a net that fits its training labels was measured to wreck
+        calibration, full network and last layer alike), ``"evidence"`` the Laplace
+        marginal likelihood; ``"validation"`` chooses the prior on a held-out grid (it
+        can end at the raw network, with a warning).
     space : {"auto", "parameter", "function"}, default="auto"
         Where to form the dense posterior (``"auto"`` takes the smaller).
     subset_of_weights : {"all", "last_layer"}, default="all"
@@ -224,7 +238,7 @@ class LLAClassifier(_LLAMixin, LaplaceClassifierMixin):
         uses the sorted labels of ``y``.
     validation_fraction : float, default=0.1
         Fraction of the rows held out from training when ``fit`` trains the network
-        and no ``validation_data`` is given; those rows choose ``"auto"`` values.
+        and no ``validation_data`` is given; those rows calibrate the temperature.
     trainable_only : bool, default=True
         Linearise only parameters with ``requires_grad=True``.
     device : str or torch.device, default="auto"
@@ -243,9 +257,14 @@ class LLAClassifier(_LLAMixin, LaplaceClassifierMixin):
     prior_variance_ : float
         Prior variance in use.
     hyper_strategy_ : str
-        How ``"auto"`` values were chosen.
+        The objective of the ``"auto"`` prior variance (``"evidence"``,
+        ``"weight_norm"``, ``"validation"`` or ``"fixed"``).
     hyper_trace_ : dict
-        Candidates tried and their scores.
+        Candidates tried and their scores; ``"calibration"`` holds the temperature
+        search on held-out rows, when there was one.
+    temperature_ : float
+        Temperature of the latent predictive calibrated on held-out rows (1.0 when
+        there were none, or when it did not help out of fold).
     log_marginal_likelihood_ : float or None
         Laplace evidence at the chosen prior variance (when computed).
     space_ : str
@@ -261,6 +280,15 @@ class LLAClassifier(_LLAMixin, LaplaceClassifierMixin):
     validation_source_ : str or None
         Where the held-out rows came from (``"validation_data"``, rows held out from
         training the network, the skorch net's own validation split), or ``None``.
+    conformal_scores_ : dict of str to ndarray of shape (n_cal,)
+        Sorted split-conformal scores of the true labels (a dict by set
+        method) of the held-out rows (set by
+        ``fit`` when it had held-out rows, or by :meth:`conformalize`); used by
+        :meth:`predict_set`. Absent when the estimator is not calibrated.
+    conformal_n_ : int
+        Number of calibration rows.
+    conformal_source_ : str
+        Where they came from: ``validation_source_`` of ``fit``, or ``"conformalize"``.
     likelihood_ : Categorical or Bernoulli
         The likelihood.
     posterior_ : Posterior

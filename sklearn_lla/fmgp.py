@@ -8,21 +8,16 @@ from __future__ import annotations
 
 from numbers import Integral, Real
 
-import torch
 from sklearn.utils._param_validation import HasMethods, Interval, StrOptions
 
 from ._base import (
-    _MIN_ROWS_FOR_HOLDOUT,
     CLASSIFIER_CONSTRAINTS,
     REGRESSOR_CONSTRAINTS,
     LaplaceClassifierMixin,
     LaplaceRegressorMixin,
 )
-from ._core.protocol import carve_validation
-from ._posteriors.fmgp import (
-    FMGPPosterior,
-)
-from ._posteriors.kernels import RBF, ClassificationKernel
+from ._core.utils import generator_seed
+from ._posteriors.fmgp import FMGPPosterior, default_kernel
 
 __all__ = ["FMGPClassifier", "FMGPRegressor"]
 
@@ -43,9 +38,9 @@ class _FMGPMixin:
         "early_stopping": ["boolean"],
         "validation_freq": [Interval(Integral, 1, None, closed="left")],
         "n_iter_no_change": [Interval(Integral, 1, None, closed="left")],
+        "tol": [Interval(Real, 0, None, closed="left")],
         "learn_inducing": ["boolean"],
         "mean_regularizer": ["boolean"],
-        "recalibrate": ["boolean"],
     }
 
     def _kernel_template(self, task):
@@ -59,27 +54,20 @@ class _FMGPMixin:
                 raise ValueError("penultimate_layer applies to kernel='auto'; set it on your "
                                  "kernel object instead")
             return self.kernel
-        fixed = pv is not None
-        if task == "regression":
-            return RBF(amplitude=pv, learn_amplitude=not fixed)
-        return ClassificationKernel(amplitude=pv, learn_amplitude=not fixed,
-                                    penultimate_layer=layer)
+        return default_kernel(task, amplitude=pv, penultimate_layer=layer)
 
     def _make_posterior(self, data):
         task = data.likelihood.task
         kernel = self._kernel_template(task)
-        if (self.early_stopping and data.validation is None
-                and data.n_samples >= _MIN_ROWS_FOR_HOLDOUT):
-            data.validation = carve_validation(data, self.validation_fraction)
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=data.generator))
+        seed = generator_seed(data.generator)
         return FMGPPosterior(
-            kernel, mean_regularizer=self.mean_regularizer, recalibrate=self.recalibrate,
-            n_inducing=self.n_inducing,
+            kernel, mean_regularizer=self.mean_regularizer, n_inducing=self.n_inducing,
             noise_variance=self.noise_variance if task == "regression" else None,
             alpha=self.alpha, learning_rate=self.learning_rate, max_iter=self.max_iter,
             batch_size=self.batch_size, early_stopping=self.early_stopping,
             validation_freq=self.validation_freq, n_iter_no_change=self.n_iter_no_change,
-            learn_inducing=self.learn_inducing, random_state=seed)
+            learn_inducing=self.learn_inducing, tol=self.tol, random_state=seed,
+            name=type(self).__name__)
 
     def _store_fitted(self, posterior):
         self.kernel_ = posterior.kernel
@@ -95,9 +83,13 @@ class FMGPRegressor(_FMGPMixin, LaplaceRegressorMixin):
 
     The predictive mean is the network ``g(x)``; the variance ``S(x) + s2`` comes from a
     sparse variational GP with an ARD RBF kernel (or ``kernel``) learned on minibatches
-    together with ``M`` inducing points and the thesis' auxiliary ``Q*`` regulariser.
-    No Jacobians: fitting and prediction cost one forward pass per batch plus
-    ``O(B M (D + M))`` kernel algebra. See ``docs/fmgp.md``.
+    together with ``M`` inducing points and the thesis' auxiliary ``Q*`` regulariser,
+    stopped when the objective stops improving. The noise ``s2`` is learned by ``Q*``
+    (the network's residuals on its own training rows are optimistic) and, when there
+    are rows the network did not fit (``validation_data``, rows held out from training
+    it), recalibrated on them with ``S`` kept. No Jacobians: fitting and prediction
+    cost one forward pass per batch plus ``O(B M (D + M))`` kernel algebra. See
+    ``docs/fmgp.md``.
 
     Parameters
     ----------
@@ -117,38 +109,38 @@ class FMGPRegressor(_FMGPMixin, LaplaceRegressorMixin):
         The kernel amplitude: ``"auto"`` learns it; a float fixes it (``kernel="auto"``
         only).
     noise_variance : float or "auto", default="auto"
-        ``s2``: ``"auto"`` learns it (from the network's mean squared residual).
+        ``s2``: ``"auto"`` learns it with ``Q*``'s ELBO, then, with held-out rows,
+        calibrates it on them by NLL with the latent covariance kept; a float fixes
+        it.
     alpha : float, default=1.0
         The alpha of the energy (1: the thesis' objective; 0: the ELBO).
     learning_rate : float, default=0.01
         Adam's learning rate. The paper uses 1e-3 for tens of thousands of steps;
-        1e-2 reaches the same validation NLL in a few hundred to a few thousand.
+        1e-2 reaches the same objective in a few hundred to a few thousand.
     max_iter : int, default=3000
         Largest number of Adam steps.
     batch_size : int, default=100
         Rows per minibatch and per forward pass at prediction.
     early_stopping : bool, default=True
-        Stop when the validation NLL has not improved for ``n_iter_no_change`` checks
-        and restore the best state. Validation rows: ``validation_data``, rows held
-        out from training the network, the skorch net's own validation split, or
-        else ``validation_fraction`` of the training rows.
+        Stop when the training objective (its mean over the ``validation_freq`` steps
+        since the last check) has not improved for ``n_iter_no_change`` checks, and
+        restore the state of the best check. Held-out rows are never used for this
+        (``Q*`` is the regulariser; held-out rows calibrate the noise).
     validation_fraction : float, default=0.1
-        Fraction of rows held out when validation rows are needed and not given.
+        Fraction of rows held out from training the network when ``fit`` trains it
+        (``net=None`` or an unfitted skorch net); those rows calibrate the noise.
     validation_freq : int, default=100
-        Steps between validation checks.
+        Steps between checks of the objective.
     n_iter_no_change : int, default=5
         Checks without improvement before stopping.
+    tol : float, default=1e-3
+        A check improves on the best one ``b`` when the objective (a per-row loss)
+        is lower by more than ``tol * max(1, |b|)``.
     learn_inducing : bool, default=True
         Optimise the inducing inputs (else keep the k-means centres).
     mean_regularizer : bool, default=True
         Add the auxiliary ``Q*`` term (recommended: without it the learned kernel
         can shrink the variance to fit the fixed mean's residuals).
-    recalibrate : bool, default=True
-        After fitting, multiply the predictive variance (latent and noise) by the one
-        factor ``c`` that minimises the validation NLL (when there are validation
-        rows). The variational fit sees the rows the network was trained on, whose
-        residuals are optimistic when the network overfits; ``c`` corrects that. A
-        fixed ``prior_variance`` or ``noise_variance`` is not rescaled.
     device : str or torch.device, default="auto"
         ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or a torch device.
     random_state : int, RandomState instance or None, default=None
@@ -171,11 +163,13 @@ class FMGPRegressor(_FMGPMixin, LaplaceRegressorMixin):
     n_iter_ : int
         Adam steps taken.
     validation_scores_ : list of tuple
-        ``(step, validation NLL)`` at each check.
+        ``(step, objective)`` at each check (the mean minibatch loss since the
+        previous check).
     hyper_strategy_ : str
         ``"variational"`` (learned with the variational parameters) or ``"fixed"``.
     hyper_trace_ : dict
-        The optimisation history.
+        The optimisation history (and ``"calibration"``, the held-out noise search,
+        when there was one).
     net_ : object
         The pretrained or trained network.
     linearized_net_ : LinearizedNet
@@ -185,8 +179,7 @@ class FMGPRegressor(_FMGPMixin, LaplaceRegressorMixin):
     jacobian_backend_reason_ : str
         Why that backend was chosen.
     validation_source_ : str or None
-        Where held-out rows came from, or ``None`` (then ``validation_fraction`` of
-        the training rows are carved out for early stopping).
+        Where held-out rows came from, or ``None`` when there were none.
     likelihood_ : Gaussian
         The fitted likelihood.
     posterior_ : FMGPPosterior
@@ -210,7 +203,7 @@ class FMGPRegressor(_FMGPMixin, LaplaceRegressorMixin):
     >>> rng = np.random.RandomState(0)
     >>> X = rng.uniform(-2, 2, (200, 1))
     >>> y = np.sin(2 * X[:, 0]) + 0.1 * rng.randn(200)
-    >>> reg = FMGPRegressor(n_inducing=10, max_iter=300, random_state=0).fit(X, y)
+    >>> reg = FMGPRegressor(n_inducing=10, random_state=0).fit(X, y)
     >>> mean, std = reg.predict(X[:2], return_std=True)
     >>> std.shape
     (2,)
@@ -221,8 +214,8 @@ class FMGPRegressor(_FMGPMixin, LaplaceRegressorMixin):
     def __init__(self, net=None, *, kernel="auto", n_inducing=100, prior_variance="auto",
                  noise_variance="auto", alpha=1.0, learning_rate=0.01, max_iter=3000,
                  batch_size=100, early_stopping=True, validation_fraction=0.1,
-                 validation_freq=100, n_iter_no_change=5, learn_inducing=True,
-                 mean_regularizer=True, recalibrate=True, device="auto", random_state=None,
+                 validation_freq=100, n_iter_no_change=5, tol=1e-3, learn_inducing=True,
+                 mean_regularizer=True, device="auto", random_state=None,
                  verbose=0):
         self.net = net
         self.kernel = kernel
@@ -237,9 +230,9 @@ class FMGPRegressor(_FMGPMixin, LaplaceRegressorMixin):
         self.validation_fraction = validation_fraction
         self.validation_freq = validation_freq
         self.n_iter_no_change = n_iter_no_change
+        self.tol = tol
         self.learn_inducing = learn_inducing
         self.mean_regularizer = mean_regularizer
-        self.recalibrate = recalibrate
         self.device = device
         self.random_state = random_state
         self.verbose = verbose
@@ -249,11 +242,13 @@ class FMGPClassifier(_FMGPMixin, LaplaceClassifierMixin):
     """FMGP classification: a Gaussian process on the logits whose mean is the network.
 
     The latent mean is the network's logits ``g(x)``; their covariance comes from a
-    sparse variational GP with the thesis' kernel
-    ``a B_cc' RBF(x, x') (psi(x)^T psi(x') / s + delta)`` (``psi``: the network's
+    sparse variational GP with the kernel of the authors' code,
+    ``a B_cc' RBF(x, x') (psi(x)^T psi(x') / s + [c = c'])`` (``psi``: the network's
     penultimate features; see :class:`~sklearn_lla.kernels.ClassificationKernel`),
     learned on minibatches with the probit-approximated alpha = 1 energy and the
-    auxiliary ``Q*`` regulariser. No Jacobians. See ``docs/fmgp.md``.
+    auxiliary ``Q*`` regulariser, stopped when the objective stops improving. With
+    rows the network did not fit, a temperature of the latent predictive is
+    calibrated on them. No Jacobians. See ``docs/fmgp.md``.
 
     Parameters
     ----------
@@ -268,7 +263,9 @@ class FMGPClassifier(_FMGPMixin, LaplaceClassifierMixin):
         ``M``, inducing points, ``M / n_classes`` per class (k-means within each
         class; each carries its class's logit index).
     prior_variance : float or "auto", default="auto"
-        The kernel amplitude ``a``: ``"auto"`` learns it (from 1); a float fixes it.
+        The kernel amplitude ``a``: ``"auto"`` learns it (from 1), and a temperature
+        is calibrated on held-out rows when there are any; a float fixes it (and no
+        temperature is calibrated).
     alpha : float, default=1.0
         The alpha of the energy.
     learning_rate : float, default=0.01
@@ -278,21 +275,22 @@ class FMGPClassifier(_FMGPMixin, LaplaceClassifierMixin):
     batch_size : int, default=100
         Rows per minibatch and per forward pass at prediction.
     early_stopping : bool, default=True
-        Early stopping on the validation NLL (rows as in :class:`FMGPRegressor`).
+        Stop when the training objective has not improved for ``n_iter_no_change``
+        checks (as in :class:`FMGPRegressor`).
     validation_fraction : float, default=0.1
-        Fraction of rows held out when validation rows are needed and not given.
+        Fraction of rows held out from training the network when ``fit`` trains it;
+        those rows calibrate the temperature.
     validation_freq : int, default=100
-        Steps between validation checks.
+        Steps between checks of the objective.
     n_iter_no_change : int, default=5
         Checks without improvement before stopping.
+    tol : float, default=1e-3
+        A check improves on the best one ``b`` when the objective (a per-row loss)
+        is lower by more than ``tol * max(1, |b|)``.
     learn_inducing : bool, default=True
         Optimise the inducing inputs.
     mean_regularizer : bool, default=True
         Add the auxiliary ``Q*`` term.
-    recalibrate : bool, default=True
-        After fitting, multiply the latent covariance by the factor that minimises
-        the validation NLL (when there are validation rows; not with a fixed
-        ``prior_variance``).
     penultimate_layer : str or None, default=None
         Name (as in ``net.named_modules()``) of the module whose output are the
         features ``psi(x)``. ``None``: the input of the network's last module with
@@ -328,11 +326,13 @@ class FMGPClassifier(_FMGPMixin, LaplaceClassifierMixin):
     n_iter_ : int
         Adam steps taken.
     validation_scores_ : list of tuple
-        ``(step, validation NLL)`` at each check.
+        ``(step, objective)`` at each check.
+    temperature_ : float
+        The temperature calibrated on held-out rows (1 without them).
     hyper_strategy_ : str
         ``"variational"`` or ``"fixed"``.
     hyper_trace_ : dict
-        The optimisation history.
+        The optimisation history (and ``"calibration"``, the temperature search).
     net_ : object
         The pretrained or trained network.
     linearized_net_ : LinearizedNet
@@ -342,7 +342,7 @@ class FMGPClassifier(_FMGPMixin, LaplaceClassifierMixin):
     jacobian_backend_reason_ : str
         Why that backend was chosen.
     validation_source_ : str or None
-        Where held-out rows came from, or ``None``.
+        Where held-out rows came from, or ``None`` when there were none.
     likelihood_ : Categorical or Bernoulli
         The likelihood.
     posterior_ : FMGPPosterior
@@ -363,7 +363,7 @@ class FMGPClassifier(_FMGPMixin, LaplaceClassifierMixin):
     >>> from sklearn.datasets import make_blobs
     >>> from sklearn_lla import FMGPClassifier
     >>> X, y = make_blobs(n_samples=120, centers=3, random_state=0)
-    >>> clf = FMGPClassifier(n_inducing=9, max_iter=200, random_state=0).fit(X, y)
+    >>> clf = FMGPClassifier(n_inducing=9, random_state=0).fit(X, y)
     >>> clf.predict_proba(X[:2]).shape
     (2, 3)
     """
@@ -374,8 +374,8 @@ class FMGPClassifier(_FMGPMixin, LaplaceClassifierMixin):
     def __init__(self, net=None, *, kernel="auto", n_inducing=100, prior_variance="auto",
                  alpha=1.0, learning_rate=0.01, max_iter=3000, batch_size=100,
                  early_stopping=True, validation_fraction=0.1, validation_freq=100,
-                 n_iter_no_change=5, learn_inducing=True, mean_regularizer=True,
-                 recalibrate=True, penultimate_layer=None, link_approx="probit",
+                 n_iter_no_change=5, tol=1e-3, learn_inducing=True, mean_regularizer=True,
+                 penultimate_layer=None, link_approx="probit",
                  n_samples_predict=512, classes=None, device="auto", random_state=None,
                  verbose=0):
         self.net = net
@@ -390,9 +390,9 @@ class FMGPClassifier(_FMGPMixin, LaplaceClassifierMixin):
         self.validation_fraction = validation_fraction
         self.validation_freq = validation_freq
         self.n_iter_no_change = n_iter_no_change
+        self.tol = tol
         self.learn_inducing = learn_inducing
         self.mean_regularizer = mean_regularizer
-        self.recalibrate = recalibrate
         self.penultimate_layer = penultimate_layer
         self.link_approx = link_approx
         self.n_samples_predict = n_samples_predict

@@ -1,5 +1,6 @@
 """Sampled LLA estimators (Antoran et al., ICLR 2023): sample-then-optimise posterior
-samples of the linearised network, prior variance by EM or validation NLL.
+samples of the linearised network, prior variance by EM (regression) or the weight
+norm (classification), calibrated on held-out rows when there are any.
 
 The posterior (E-step, M-step, validation scan, predictive) is
 :class:`~sklearn_lla._posteriors.sampled.SampledLLAPosterior`; this module holds the
@@ -33,11 +34,12 @@ class _SampledMixin:
         "max_iter": [Interval(Integral, 1, None, closed="left")],
         "learning_rate": [Interval(Real, 0, None, closed="neither")],
         "lr_schedule": [StrOptions({"auto", "cosine", "constant", "step"})],
-        "hyper_strategy": [StrOptions({"auto", "validation", "em"})],
+        "hyper_strategy": [StrOptions({"auto", "em", "weight_norm", "validation"})],
         "early_stopping": ["boolean"],
         "tol": [Interval(Real, 0, None, closed="left")],
         "n_iter_no_change": [Interval(Integral, 1, None, closed="left")],
         "g_prior": ["boolean"],
+        "solver": [StrOptions({"auto", "cg", "adam"})],
         "validation_fraction": [Interval(Real, 0, 1, closed="neither")],
     }
 
@@ -48,7 +50,8 @@ class _SampledMixin:
             n_posterior_samples=self.n_posterior_samples, n_em_steps=self.n_em_steps,
             max_iter=self.max_iter, learning_rate=self.learning_rate,
             lr_schedule=self.lr_schedule, early_stopping=self.early_stopping, tol=self.tol,
-            n_iter_no_change=self.n_iter_no_change, g_prior=self.g_prior)
+            n_iter_no_change=self.n_iter_no_change, g_prior=self.g_prior,
+            solver=self.solver, name=type(self).__name__)
 
     def _store_fitted(self, posterior):
         self.effective_dim_ = float(posterior.effective_dim)
@@ -57,7 +60,7 @@ class _SampledMixin:
 
 
 class SampledLLARegressor(_SampledMixin, LaplaceRegressorMixin):
-    """Sampled LLA regression: sample-then-optimise posterior samples with EM.
+    """Sampled LLA regression: sample-then-optimise posterior samples, hyperparameters by EM.
 
     Parameters
     ----------
@@ -72,45 +75,56 @@ class SampledLLARegressor(_SampledMixin, LaplaceRegressorMixin):
     prior_variance : float or "auto", default="auto"
         ``s0^2 = 1 / alpha``; ``"auto"`` is chosen by ``hyper_strategy``.
     noise_variance : float or "auto", default="auto"
-        ``s2``. ``"auto"`` with held-out rows: chosen with the prior by validation
-        NLL (the network's mean squared validation residual under ``"em"``, or when
-        the prior variance is given); without: the EM update
-        ``s2 = RSS(theta_bar) / (N n_targets - gamma)`` from ``RSS(theta_hat) / (N
-        n_targets)``.
-    hyper_strategy : {"auto", "validation", "em"}, default="auto"
-        How ``"auto"`` values are chosen. ``"validation"``: validation NLL over a scan
-        of prior variances (``||theta_hat||^2 / P x logspace(-2, 2, 9)``, warm-started
-        E-steps of ``max_iter // 4`` steps, stopped once two candidates in a row score
-        worse) and, for each, the exact rescalings ``(c s0^2, c s2)``, ``c`` in
-        ``logspace(-1, 1, 21)``. ``"em"``: the paper's EM (``n_em_steps`` updates
-        ``alpha = gamma / ||theta_bar||^2`` from ``||theta_hat||^2 / P``). ``"auto"``:
-        ``"validation"`` when held-out rows exist (``validation_data``, rows held out
-        from training a net in ``fit``, or a skorch net's own validation split),
-        ``"em"`` otherwise.
+        ``s2``. ``"auto"``: the EM update ``s2 = RSS(theta_bar) / (N n_targets -
+        gamma)`` from ``RSS(theta_hat) / (N n_targets)``; with held-out rows, the
+        exact rescaling ``(c s0^2, c s2)`` is then fitted on them after ``fit`` (the
+        held-out maximum likelihood ``c``: the predictive variance is scaled by ``c``
+        everywhere, keeping the shape EM chose). Under ``hyper_strategy="validation"``
+        it is chosen with the prior by validation NLL.
+    hyper_strategy : {"auto", "em", "weight_norm", "validation"}, default="auto"
+        How ``"auto"`` values are chosen. ``"auto"`` is ``"em"``, the paper's EM
+        (``n_em_steps`` updates ``alpha = gamma / ||theta_bar||^2`` and the noise update,
+        from ``||theta_hat||^2 / P``), with or without held-out rows.
+        ``"weight_norm"``: ``s0^2 = ||theta_hat||^2 / P`` (the noise still by EM).
+        ``"validation"`` (only when asked for; needs held-out rows): validation NLL
+        over a scan of prior variances (``||theta_hat||^2 / P x logspace(-2, 2, 9)``,
+        warm-started E-steps of ``max_iter // 4`` iterations, stopped once two
+        candidates in a row score worse) and, for each, the exact rescalings
+        ``(c s0^2, c s2)``, ``c`` in ``logspace(-1, 1, 21)``.
     n_em_steps : int, default=3
         EM iterations of ``hyper_strategy="em"`` (one E-step each, plus a final
         E-step at the learned values).
     max_iter : int, default=300
-        Adam steps per E-step (minibatches of ``batch_size`` rows).
+        Iterations per E-step: conjugate-gradient iterations (full data passes) or
+        Adam steps (minibatches of ``batch_size`` rows).
     learning_rate : float, default=0.1
         Adam's (initial) learning rate, in prior-whitened coordinates.
     lr_schedule : {"auto", "cosine", "constant", "step"}, default="auto"
-        Learning-rate schedule of each E-step. ``"auto"``: constant when one minibatch
-        holds every row (a deterministic objective), otherwise a cosine decay to 1 %
-        (it averages the minibatch noise out).
+        Adam's learning-rate schedule in each E-step. ``"auto"`` is a cosine decay to
+        1 %: it averages the minibatch noise out and ends a full-batch run at the
+        optimum instead of oscillating about it.
     early_stopping : bool, default=False
-        End an E-step early when its objective, averaged over windows of 50 steps,
-        decreases by less than ``tol`` (relative) ``n_iter_no_change`` times in a row.
+        Adam only: end an E-step early when its objective, averaged over windows of
+        50 steps, improves by less than ``tol`` (relative) ``n_iter_no_change`` times
+        in a row.
     tol : float, default=1e-4
-        Relative decrease of the windowed objective that counts as progress.
+        Conjugate gradients stop once every column's residual is below ``tol`` times
+        its right-hand side; Adam (with ``early_stopping``) counts a relative
+        improvement below ``tol`` as none.
     n_iter_no_change : int, default=3
         Windows without progress before an E-step ends (with ``early_stopping``).
     g_prior : bool, default=False
         Per-parameter prior scales ``1 / sqrt(diag GGN)`` (normalised to mean one and
         clipped at 100) instead of an isotropic prior.
+    solver : {"auto", "cg", "adam"}, default="auto"
+        How each E-step is solved. ``"cg"``: conjugate gradients, one full data pass
+        per iteration, to the relative residual ``tol``. ``"adam"``: ``max_iter``
+        minibatch Adam steps. ``"auto"``: ``"cg"`` when a data pass is at most 8
+        batches of ``batch_size`` rows, ``"adam"`` beyond (the same for numpy and dask
+        inputs).
     validation_fraction : float, default=0.1
-        Fraction of rows held out when a network is trained in ``fit`` (the held-out
-        rows of ``hyper_strategy="validation"``).
+        Fraction of rows held out when a network is trained in ``fit`` (then used as
+        held-out rows).
     trainable_only : bool, default=True
         Linearise only parameters with ``requires_grad=True``.
     device : str or torch.device, default="auto"
@@ -131,13 +145,17 @@ class SampledLLARegressor(_SampledMixin, LaplaceRegressorMixin):
     effective_dim_ : float
         ``gamma`` estimated from the final samples.
     n_iter_ : ndarray of int
-        Adam steps of each E-step.
+        Iterations (conjugate-gradient iterations or Adam steps) of each E-step.
     hyper_strategy_ : str
-        ``"validation"``, ``"em"`` or ``"fixed"``.
+        ``"em"``, ``"weight_norm"``, ``"validation"`` or ``"fixed"``.
     hyper_trace_ : dict
-        ``"validation"``: the scanned ``prior_variance`` values, the ``noise_variance``
-        grid, ``score`` (validation NLL per prior and rescaling), ``final_factor``;
-        ``"em"``: the prior variance of each EM step and per-step information.
+        ``"em"``: the prior variance of each EM step and per-step information
+        (``"steps"``); ``"validation"``: the scanned ``prior_variance`` values, the
+        ``noise_variance`` grid, ``score`` (validation NLL per prior and rescaling),
+        ``final_factor``. Always ``"solver"`` and ``"optimisation"`` (the final
+        E-step); ``"calibration"`` when held-out rows rescaled the predictive.
+    validation_source_ : str or None
+        Where the held-out rows came from, or ``None`` without any.
     net_ : object
         The pretrained or trained network.
     linearized_net_ : LinearizedNet
@@ -178,7 +196,7 @@ class SampledLLARegressor(_SampledMixin, LaplaceRegressorMixin):
     def __init__(self, net=None, *, n_posterior_samples=64, prior_variance="auto",
                  noise_variance="auto", hyper_strategy="auto", n_em_steps=3, max_iter=300,
                  learning_rate=0.1, lr_schedule="auto", early_stopping=False, tol=1e-4,
-                 n_iter_no_change=3, g_prior=False, validation_fraction=0.1,
+                 n_iter_no_change=3, g_prior=False, solver="auto", validation_fraction=0.1,
                  trainable_only=True, device="auto", batch_size=256, random_state=None,
                  verbose=0):
         self.net = net
@@ -194,6 +212,7 @@ class SampledLLARegressor(_SampledMixin, LaplaceRegressorMixin):
         self.tol = tol
         self.n_iter_no_change = n_iter_no_change
         self.g_prior = g_prior
+        self.solver = solver
         self.validation_fraction = validation_fraction
         self.trainable_only = trainable_only
         self.device = device
@@ -203,7 +222,7 @@ class SampledLLARegressor(_SampledMixin, LaplaceRegressorMixin):
 
 
 class SampledLLAClassifier(_SampledMixin, LaplaceClassifierMixin):
-    """Sampled LLA classification: sample-then-optimise posterior samples with EM.
+    """Sampled LLA classification: sample-then-optimise posterior samples.
 
     Parameters
     ----------
@@ -215,29 +234,37 @@ class SampledLLAClassifier(_SampledMixin, LaplaceClassifierMixin):
         ``K``, posterior samples of the linearised parameters.
     prior_variance : float or "auto", default="auto"
         ``s0^2 = 1 / alpha``; ``"auto"`` is chosen by ``hyper_strategy``.
-    hyper_strategy : {"auto", "validation", "em"}, default="auto"
-        How an ``"auto"`` prior variance is chosen. ``"validation"``: validation NLL
-        over a scan of prior variances (``||theta_hat||^2 / P x logspace(-2, 2, 9)``,
-        warm-started E-steps of ``max_iter // 4`` steps, stopped once two candidates
-        in a row score worse). ``"em"``: the paper's EM. ``"auto"``: ``"validation"``
-        when held-out rows exist, ``"em"`` otherwise.
+    hyper_strategy : {"auto", "em", "weight_norm", "validation"}, default="auto"
+        How an ``"auto"`` prior variance is chosen. ``"auto"`` is ``"weight_norm"``,
+        ``s0^2 = ||theta_hat||^2 / P`` (as exact LLA's classifier): on a network that
+        fits its training rows the softmax curvature there vanishes and the paper's
+        EM (``"em"``) ends far under-confident (``docs/sampled.md``). With held-out
+        rows a temperature of the latent predictive is then fitted on them
+        (``temperature_``). ``"validation"`` (only when asked for; needs held-out
+        rows): validation NLL over a scan of prior variances (``||theta_hat||^2 / P x
+        logspace(-2, 2, 9)``, warm-started E-steps of ``max_iter // 4`` iterations,
+        stopped once two candidates in a row score worse).
     n_em_steps : int, default=3
         EM iterations of ``hyper_strategy="em"``.
     max_iter : int, default=300
-        Adam steps per E-step.
+        Iterations per E-step (conjugate-gradient iterations or Adam steps).
     learning_rate : float, default=0.1
         Adam's (initial) learning rate, in prior-whitened coordinates.
     lr_schedule : {"auto", "cosine", "constant", "step"}, default="auto"
-        Learning-rate schedule of each E-step (``"auto"``: constant when one minibatch
-        holds every row, otherwise a cosine decay to 1 %).
+        Adam's learning-rate schedule in each E-step (``"auto"``: a cosine decay to
+        1 %).
     early_stopping : bool, default=False
-        End an E-step early when its windowed objective stops decreasing.
+        Adam only: end an E-step early when its windowed objective stops decreasing.
     tol : float, default=1e-4
-        Relative decrease of the windowed objective that counts as progress.
+        Relative residual at which conjugate gradients stop; Adam's relative
+        improvement threshold (with ``early_stopping``).
     n_iter_no_change : int, default=3
         Windows without progress before an E-step ends (with ``early_stopping``).
     g_prior : bool, default=False
         Per-parameter prior scales ``1 / sqrt(diag GGN)`` (normalised, clipped).
+    solver : {"auto", "cg", "adam"}, default="auto"
+        How each E-step is solved: conjugate gradients (full data passes), minibatch
+        Adam, or ``"auto"``: ``"cg"`` when a data pass is at most 8 batches.
     link_approx : {"probit", "mc", "bridge"}, default="probit"
         Approximation of ``E softmax(f)`` under the latent Gaussian with the sample
         covariance.
@@ -247,8 +274,8 @@ class SampledLLAClassifier(_SampledMixin, LaplaceClassifierMixin):
         The label of each network output, in output order (see
         :class:`~sklearn_lla.LLAClassifier`).
     validation_fraction : float, default=0.1
-        Fraction of rows held out when a network is trained in ``fit`` (the held-out
-        rows of ``hyper_strategy="validation"``).
+        Fraction of rows held out when a network is trained in ``fit`` (then used as
+        held-out rows).
     trainable_only : bool, default=True
         Linearise only parameters with ``requires_grad=True``.
     device : str or torch.device, default="auto"
@@ -268,14 +295,19 @@ class SampledLLAClassifier(_SampledMixin, LaplaceClassifierMixin):
         Prior variance in use.
     effective_dim_ : float
         ``gamma`` estimated from the final samples.
+    temperature_ : float
+        Temperature of the latent predictive (1 unless fitted on held-out rows).
     n_iter_ : ndarray of int
-        Adam steps of each E-step.
+        Iterations (conjugate-gradient iterations or Adam steps) of each E-step.
     hyper_strategy_ : str
-        ``"validation"``, ``"em"`` or ``"fixed"``.
+        ``"weight_norm"``, ``"em"``, ``"validation"`` or ``"fixed"``.
     hyper_trace_ : dict
-        ``"validation"``: the scanned ``prior_variance`` values, the ``noise_variance``
-        grid, ``score`` (validation NLL per prior and rescaling), ``final_factor``;
-        ``"em"``: the prior variance of each EM step and per-step information.
+        ``"em"``: the prior variance of each EM step and per-step information;
+        ``"validation"``: the scanned ``prior_variance`` values and ``score``
+        (validation NLL per prior). Always ``"solver"`` and ``"optimisation"``;
+        ``"calibration"`` when a temperature was fitted on held-out rows.
+    validation_source_ : str or None
+        Where the held-out rows came from, or ``None`` without any.
     net_ : object
         The pretrained or trained network.
     linearized_net_ : LinearizedNet
@@ -313,8 +345,8 @@ class SampledLLAClassifier(_SampledMixin, LaplaceClassifierMixin):
     def __init__(self, net=None, *, n_posterior_samples=64, prior_variance="auto",
                  hyper_strategy="auto", n_em_steps=3, max_iter=300, learning_rate=0.1,
                  lr_schedule="auto", early_stopping=False, tol=1e-4, n_iter_no_change=3,
-                 g_prior=False, link_approx="probit", n_samples_predict=512, classes=None,
-                 validation_fraction=0.1, trainable_only=True, device="auto",
+                 g_prior=False, solver="auto", link_approx="probit", n_samples_predict=512,
+                 classes=None, validation_fraction=0.1, trainable_only=True, device="auto",
                  batch_size=256, random_state=None, verbose=0):
         self.net = net
         self.n_posterior_samples = n_posterior_samples
@@ -328,6 +360,7 @@ class SampledLLAClassifier(_SampledMixin, LaplaceClassifierMixin):
         self.tol = tol
         self.n_iter_no_change = n_iter_no_change
         self.g_prior = g_prior
+        self.solver = solver
         self.validation_fraction = validation_fraction
         self.link_approx = link_approx
         self.n_samples_predict = n_samples_predict

@@ -2,25 +2,18 @@
 
 With a ``p x s`` projector ``P`` and the prior ``mu ~ N(0, s0^2 (P^T P)^-1)`` the
 Laplace posterior of ``mu`` is ``N(0, (P^T H P)^-1)`` with ``H`` the *full* GGN
-precision, and the predictive covariance is
+precision; the paper's predictive covariance is
 
 ``S_P(X) = J_X P (P^T H P)^-1 P^T J_X^T``.
 
 That is the feature-space GLM posterior of :mod:`sklearn_lla._posteriors.glm` with ``V = P``
 (:class:`~sklearn_lla._posteriors.glm.ProjectionFeatures`): ``P^T H P`` is accumulated batch
-by batch from the JVPs ``J_n P`` (``sum_n (J_n P)^T Lam_n (J_n P) + P^T P / s0^2``),
-never as a ``p x p`` matrix. The projectors are in :mod:`sklearn_lla._network.curvature`.
+by batch from the JVPs ``J_n P``, never as a ``p x p`` matrix. The projectors are in
+:mod:`sklearn_lla._posteriors.subspace`.
 
-Hyperparameters: ``prior_variance="auto"`` is chosen, as in the paper, by the
-Laplace marginal likelihood of the KFAC approximation of the full network (the
-closed-form evidence over the KFAC eigenvalues, maximised by
-:class:`~sklearn_lla._core.hyper.Evidence`); it builds the projector and, when there are
-no held-out rows, is held fixed for the subspace posterior too (with held-out rows
-the posterior's validation strategy chooses it, as for every method: measured to
-calibrate better). An ``"auto"`` noise variance goes through the GLM
-posterior's strategies (validation NLL with held-out data, otherwise the subspace
-evidence). ``hyper_strategy`` other than ``"auto"`` chooses both variances with
-that GLM strategy on the subspace model instead.
+Defaults (the class docstrings and ``docs/subspace.md``): the low-rank projectors keep
+the prior variance outside ``span(P)`` in the predictive (``residual_correction``), so
+the std grows off the data as exact LLA's does.
 """
 
 from __future__ import annotations
@@ -49,7 +42,8 @@ class _SubspaceMixin:
 
     _subspace_constraints = {
         "projector": [StrOptions(set(PROJECTORS))],
-        "subspace_dim": [Interval(Integral, 1, None, closed="left")],
+        "subspace_dim": [Interval(Integral, 1, None, closed="left"), StrOptions({"auto"})],
+        "residual_correction": ["boolean", StrOptions({"auto"})],
         "n_subset": [Interval(Integral, 1, None, closed="left"), StrOptions({"auto"})],
         "subspace_X": ["array-like", None],
         "swag_learning_rate": [Interval(Real, 0, None, closed="neither")],
@@ -63,10 +57,14 @@ class _SubspaceMixin:
                                  hyper=self.hyper_strategy, n_subset=self.n_subset,
                                  subspace_X=self.subspace_X,
                                  swag_learning_rate=self.swag_learning_rate,
-                                 swag_n_steps=self.swag_n_steps)
+                                 swag_n_steps=self.swag_n_steps,
+                                 residual_correction=self.residual_correction,
+                                 fallback="evidence" if regression else "weight_norm")
 
     def _store_fitted(self, posterior):
         self.subspace_dim_ = int(posterior.features.dim)
+        self.residual_correction_ = bool(posterior.residual_correction)
+        self.residual_excess_ = posterior.residual_excess
         self.projector_ = posterior.projector_rows
         self.projector_eigvals_ = (None if posterior.projector_eigvals is None
                                    else posterior.projector_eigvals.cpu().numpy())
@@ -77,10 +75,12 @@ class _SubspaceMixin:
 class SubspaceLaplaceRegressor(_SubspaceMixin, LaplaceRegressorMixin):
     """Subspace Laplace regression: linearised Laplace on ``theta_hat + P mu``.
 
-    The predictive covariance is ``J(x) P (P^T H P)^-1 P^T J(x)^T`` with the full
-    GGN precision ``H`` accumulated batch-wise in the ``s``-dimensional subspace
-    (Faller & Martin). ``Tr S_P(X) <= Tr S(X)``: the subspace predictive never
-    exceeds exact LLA's.
+    Inside ``span(P)`` the posterior has the full GGN precision ``H``, accumulated
+    batch-wise in the ``s``-dimensional subspace (Faller & Martin):
+    ``J(x) P (P^T H P)^-1 P^T J(x)^T``. With the default low-rank projector the prior
+    variance of the directions outside ``span(P)`` is added
+    (``residual_correction``), so the std grows away from the data as exact LLA's
+    does; with ``s`` at the rank of the training Jacobians this is exact LLA.
 
     Parameters
     ----------
@@ -91,25 +91,31 @@ class SubspaceLaplaceRegressor(_SubspaceMixin, LaplaceRegressorMixin):
     projector : {"lowrank-kfac", "lowrank-diag", "subset-magnitude", \
 "subset-diagonal", "subset-swag", "optimal"}, default="lowrank-kfac"
         How ``P`` is built: Algorithm 1 with a KFAC or diagonal-GGN posterior
-        covariance (``P = Psi_approx J_X'^T U_s``), a subset of the parameters with
-        the largest magnitude, diagonal-GGN posterior variance or SWAG variance, or
-        Theorem 1's optimum with the full posterior covariance (``p <= 5000``).
-    subspace_dim : int, default=100
-        ``s``; the low-rank projectors stop at the numerical rank of
-        ``J_X' Psi J_X'^T`` (with a warning).
+        covariance ``Psi_approx`` (the top-``s`` eigenvectors ``U_s`` of
+        ``J_X' Psi_approx J_X'^T`` on training inputs ``X'``, ``P = J_X'^T U_s`` with
+        the residual correction, else ``Psi_approx J_X'^T U_s``), a subset of the
+        parameters with the largest magnitude, diagonal-GGN posterior variance or
+        SWAG variance, or Theorem 1's optimum with the full posterior covariance
+        (``p <= 5000``).
+    subspace_dim : int or "auto", default="auto"
+        ``s``. ``"auto"``: every eigenvalue of ``J_X' Psi_approx J_X'^T`` above
+        ``1e-6`` times the largest (the subspace then holds the directions the
+        subset's data determine), at most ``max(20, 2**21 // p)`` (the cost of a
+        row's features); subset projectors: that cap. An integer is reduced to the
+        numerical rank with a ``RuntimeWarning``.
     prior_variance : float or "auto", default="auto"
-        ``s0^2``. ``"auto"``: maximises the Laplace evidence of the KFAC
-        approximation of the full network (the paper's choice; the subspace
-        evidence when KFAC does not support the network, or with another
-        ``hyper_strategy``).
+        ``s0^2``. ``"auto"``: the maximiser of the Laplace evidence of the KFAC
+        approximation of the full network (the paper's choice) at the noise
+        variance in use; the subspace model's own evidence when KFAC does not
+        support the network.
     noise_variance : float or "auto", default="auto"
-        ``s2``. ``"auto"``: validation NLL when validation data is available,
-        otherwise the subspace Laplace evidence.
+        ``s2``. ``"auto"``: with held-out rows (``validation_data``, or rows held out
+        from the network), the held-out likelihood; otherwise the subspace model's
+        Laplace evidence; both along the prior's evidence ridge.
     hyper_strategy : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
-        ``"auto"``: the prior variance by the KFAC evidence and the noise as
-        described above. Otherwise both ``"auto"`` variances by this strategy on the
-        subspace model (the projector is then built with ``||theta||^2 / P`` and the
-        variance of the training residuals).
+        ``"auto"``: as above. Otherwise the ``"auto"`` variances by this strategy on
+        the subspace model (``"validation"``, the joint held-out grid, only when
+        asked for); the projector is still built with the KFAC evidence.
     n_subset : int or "auto", default="auto"
         Size of the training subset ``X'`` of the low-rank and optimal projectors;
         ``"auto"``: ``ceil(1000 / n_outputs)`` points, i.e. ``n C = 1000`` rows of
@@ -122,6 +128,16 @@ class SubspaceLaplaceRegressor(_SubspaceMixin, LaplaceRegressorMixin):
         SGD learning rate of the SWAG run (``projector="subset-swag"``).
     swag_n_steps : int, default=100
         SGD steps of the SWAG run.
+    residual_correction : bool or "auto", default="auto"
+        Add ``s0^2 J(x) (I - P P^T) J(x)^T``, the prior variance outside ``span(P)``,
+        to the predictive (the posterior is then the full-network Laplace
+        approximation with the GGN compressed onto ``span(P)``, and the evidence is
+        that model's). ``"auto"``: on for the low-rank projectors built on training
+        inputs, unless ``span(P)`` misses directions the training data determine
+        (the residual would add more than 0.25 x the noise variance to a training
+        row's latent variance; ``residual_excess_``): then off, with a
+        ``RuntimeWarning``. Off for the subset and optimal projectors (the paper's
+        ``S_P``, whose trace is below exact LLA's).
     validation_fraction : float, default=0.1
         Fraction of the rows held out from training when ``fit`` trains the network
         and no ``validation_data`` is given.
@@ -144,6 +160,12 @@ class SubspaceLaplaceRegressor(_SubspaceMixin, LaplaceRegressorMixin):
         Noise variance in use.
     subspace_dim_ : int
         ``s`` in use.
+    residual_correction_ : bool
+        Whether the prior variance outside ``span(P)`` is in the predictive.
+    residual_excess_ : float or None
+        Mean latent variance the residual adds on a training row, in units of the
+        noise variance (regression) or of the curvature (classification); ``None``
+        without the residual correction.
     projector_ : Tensor of shape (subspace_dim_, n_params)
         Orthonormal rows spanning ``P`` (float64).
     projector_eigvals_ : ndarray or None
@@ -153,7 +175,9 @@ class SubspaceLaplaceRegressor(_SubspaceMixin, LaplaceRegressorMixin):
     hyper_strategy_ : str
         How ``"auto"`` values were chosen.
     hyper_trace_ : dict
-        Candidates tried and their scores (``"kfac_evidence"``: the KFAC search).
+        Candidates tried and their scores; ``"projector"``: the hyperparameters of
+        ``Psi_approx`` (and the KFAC evidence search); ``"prior_variance_source"``:
+        ``"kfac_evidence"`` when the prior is on the KFAC ridge.
     net_ : object
         The pretrained or trained network.
     linearized_net_ : LinearizedNet
@@ -191,9 +215,10 @@ class SubspaceLaplaceRegressor(_SubspaceMixin, LaplaceRegressorMixin):
 
     _parameter_constraints = {**REGRESSOR_CONSTRAINTS, **_SubspaceMixin._subspace_constraints}
 
-    def __init__(self, net=None, *, projector="lowrank-kfac", subspace_dim=100,
+    def __init__(self, net=None, *, projector="lowrank-kfac", subspace_dim="auto",
                  prior_variance="auto", noise_variance="auto", hyper_strategy="auto",
                  n_subset="auto", subspace_X=None, swag_learning_rate=1e-2, swag_n_steps=100,
+                 residual_correction="auto",
                  validation_fraction=0.1, trainable_only=True, device="auto", batch_size=256,
                  random_state=None, verbose=0):
         self.net = net
@@ -206,6 +231,7 @@ class SubspaceLaplaceRegressor(_SubspaceMixin, LaplaceRegressorMixin):
         self.subspace_X = subspace_X
         self.swag_learning_rate = swag_learning_rate
         self.swag_n_steps = swag_n_steps
+        self.residual_correction = residual_correction
         self.validation_fraction = validation_fraction
         self.trainable_only = trainable_only
         self.device = device
@@ -219,7 +245,9 @@ class SubspaceLaplaceClassifier(_SubspaceMixin, LaplaceClassifierMixin):
 
     The latent covariance is ``J(x) P (P^T H P)^-1 P^T J(x)^T`` with the full GGN
     precision ``H`` accumulated batch-wise in the ``s``-dimensional subspace
-    (Faller & Martin); class probabilities by ``link_approx``.
+    (Faller & Martin), plus, with the default low-rank projector, the prior variance
+    outside ``span(P)`` (``residual_correction``); class probabilities by
+    ``link_approx``.
 
     Parameters
     ----------
@@ -230,14 +258,21 @@ class SubspaceLaplaceClassifier(_SubspaceMixin, LaplaceClassifierMixin):
     projector : {"lowrank-kfac", "lowrank-diag", "subset-magnitude", \
 "subset-diagonal", "subset-swag", "optimal"}, default="lowrank-kfac"
         How ``P`` is built (see :class:`SubspaceLaplaceRegressor`).
-    subspace_dim : int, default=100
-        ``s``.
+    subspace_dim : int or "auto", default="auto"
+        ``s`` (see :class:`SubspaceLaplaceRegressor`).
     prior_variance : float or "auto", default="auto"
-        ``s0^2``. ``"auto"``: maximises the Laplace evidence of the KFAC
-        approximation of the full network (see :class:`SubspaceLaplaceRegressor`).
+        ``s0^2``. ``"auto"``: chosen by ``hyper_strategy``'s objective, never on
+        held-out rows unless ``hyper_strategy="validation"``. With ``"auto"`` and
+        held-out rows the network did not fit, a temperature of the latent predictive
+        is also calibrated on them (``temperature_``), kept only if it lowers their
+        NLL out of fold and never sharper than the network.
     hyper_strategy : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
-        ``"auto"``: the KFAC evidence. Otherwise this strategy on the subspace
-        model (the projector is then built with ``||theta||^2 / P``).
+        The objective of an ``"auto"`` prior variance: ``"auto"`` and
+        ``"weight_norm"`` ``||theta||^2 / p`` (as exact LLA's and ELLA's classifiers:
+        the KFAC evidence of a net that fits its training labels picks a prior 25-100
+        x larger and an under-confident predictive), ``"evidence"`` the subspace
+        model's Laplace evidence; ``"validation"`` a held-out grid (it can end at the
+        raw network, with a warning). The projector is built with the KFAC evidence.
     n_subset : int or "auto", default="auto"
         Size of the training subset ``X'``; ``"auto"``: ``ceil(1000 / n_outputs)``
         points (``n C = 1000`` rows, the paper's 100 points for ten classes).
@@ -247,6 +282,9 @@ class SubspaceLaplaceClassifier(_SubspaceMixin, LaplaceClassifierMixin):
         SGD learning rate of the SWAG run (``projector="subset-swag"``).
     swag_n_steps : int, default=100
         SGD steps of the SWAG run.
+    residual_correction : bool or "auto", default="auto"
+        Add the prior variance outside ``span(P)`` to the latent covariance (see
+        :class:`SubspaceLaplaceRegressor`).
     link_approx : {"probit", "mc", "bridge"}, default="probit"
         Approximation of ``E softmax(f)`` under the Gaussian latent.
     n_samples_predict : int, default=512
@@ -276,6 +314,12 @@ class SubspaceLaplaceClassifier(_SubspaceMixin, LaplaceClassifierMixin):
         Prior variance in use.
     subspace_dim_ : int
         ``s`` in use.
+    residual_correction_ : bool
+        Whether the prior variance outside ``span(P)`` is in the predictive.
+    residual_excess_ : float or None
+        Mean latent variance the residual adds on a training row, in units of the
+        noise variance (regression) or of the curvature (classification); ``None``
+        without the residual correction.
     projector_ : Tensor of shape (subspace_dim_, n_params)
         Orthonormal rows spanning ``P`` (float64).
     projector_eigvals_ : ndarray or None
@@ -285,7 +329,11 @@ class SubspaceLaplaceClassifier(_SubspaceMixin, LaplaceClassifierMixin):
     hyper_strategy_ : str
         How ``"auto"`` values were chosen.
     hyper_trace_ : dict
-        Candidates tried and their scores.
+        Candidates tried and their scores; ``"calibration"`` holds the temperature
+        search on held-out rows, when there was one.
+    temperature_ : float
+        Temperature of the latent predictive calibrated on held-out rows (1.0 when
+        there were none, or when it did not help out of fold).
     net_ : object
         The pretrained or trained network.
     linearized_net_ : LinearizedNet
@@ -320,9 +368,10 @@ class SubspaceLaplaceClassifier(_SubspaceMixin, LaplaceClassifierMixin):
 
     _parameter_constraints = {**CLASSIFIER_CONSTRAINTS, **_SubspaceMixin._subspace_constraints}
 
-    def __init__(self, net=None, *, projector="lowrank-kfac", subspace_dim=100,
+    def __init__(self, net=None, *, projector="lowrank-kfac", subspace_dim="auto",
                  prior_variance="auto", hyper_strategy="auto", n_subset="auto",
                  subspace_X=None, swag_learning_rate=1e-2, swag_n_steps=100,
+                 residual_correction="auto",
                  link_approx="probit", n_samples_predict=512, classes=None,
                  validation_fraction=0.1, trainable_only=True, device="auto", batch_size=256,
                  random_state=None, verbose=0):
@@ -335,6 +384,7 @@ class SubspaceLaplaceClassifier(_SubspaceMixin, LaplaceClassifierMixin):
         self.subspace_X = subspace_X
         self.swag_learning_rate = swag_learning_rate
         self.swag_n_steps = swag_n_steps
+        self.residual_correction = residual_correction
         self.link_approx = link_approx
         self.n_samples_predict = n_samples_predict
         self.classes = classes
@@ -386,15 +436,16 @@ class SubspaceLaplace(_SubspaceMixin, _LaplaceBase):
     projector : {"lowrank-kfac", "lowrank-diag", "subset-magnitude", \
 "subset-diagonal", "subset-swag", "optimal"}, default="lowrank-kfac"
         How ``P`` is built (see :class:`SubspaceLaplaceRegressor`).
-    subspace_dim : int, default=100
-        ``s``.
+    subspace_dim : int or "auto", default="auto"
+        ``s`` (see :class:`SubspaceLaplaceRegressor`).
     prior_variance : float or "auto", default="auto"
-        ``s0^2``. ``"auto"``: the KFAC evidence (see
-        :class:`SubspaceLaplaceRegressor`).
+        ``s0^2``. ``"auto"``: regression, the KFAC evidence at the noise variance in
+        use (see :class:`SubspaceLaplaceRegressor`); classification,
+        ``||theta||^2 / p`` (see :class:`SubspaceLaplaceClassifier`).
     noise_variance : float or "auto", default="auto"
         ``s2`` (regression only).
     hyper_strategy : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
-        As in :class:`SubspaceLaplaceRegressor`.
+        As in :class:`SubspaceLaplaceRegressor` / :class:`SubspaceLaplaceClassifier`.
     n_subset : int or "auto", default="auto"
         Size of the training subset ``X'`` (see :class:`SubspaceLaplaceRegressor`).
     subspace_X : array-like of shape (n, n_features) or None, default=None
@@ -403,6 +454,9 @@ class SubspaceLaplace(_SubspaceMixin, _LaplaceBase):
         SGD learning rate of the SWAG run.
     swag_n_steps : int, default=100
         SGD steps of the SWAG run.
+    residual_correction : bool or "auto", default="auto"
+        Add the prior variance outside ``span(P)`` to the predictive (see
+        :class:`SubspaceLaplaceRegressor`).
     link_approx : {"probit", "mc", "bridge"}, default="probit"
         Approximation of ``E softmax(f)`` (classification only).
     n_samples_predict : int, default=512
@@ -433,6 +487,12 @@ class SubspaceLaplace(_SubspaceMixin, _LaplaceBase):
         Noise variance in use (regression only).
     subspace_dim_ : int
         ``s`` in use.
+    residual_correction_ : bool
+        Whether the prior variance outside ``span(P)`` is in the predictive.
+    residual_excess_ : float or None
+        Mean latent variance the residual adds on a training row, in units of the
+        noise variance (regression) or of the curvature (classification); ``None``
+        without the residual correction.
     projector_ : Tensor of shape (subspace_dim_, n_params)
         Orthonormal rows spanning ``P`` (float64).
     projector_eigvals_ : ndarray or None
@@ -443,6 +503,8 @@ class SubspaceLaplace(_SubspaceMixin, _LaplaceBase):
         How ``"auto"`` values were chosen.
     hyper_trace_ : dict
         Candidates tried and their scores.
+    temperature_ : float
+        Temperature calibrated on held-out rows (classification only).
     net_ : object
         The pretrained or trained network.
     linearized_net_ : LinearizedNet
@@ -484,9 +546,10 @@ class SubspaceLaplace(_SubspaceMixin, _LaplaceBase):
     }
 
     def __init__(self, net=None, likelihood="classification", *, projector="lowrank-kfac",
-                 subspace_dim=100, prior_variance="auto", noise_variance="auto",
+                 subspace_dim="auto", prior_variance="auto", noise_variance="auto",
                  hyper_strategy="auto", n_subset="auto", subspace_X=None,
-                 swag_learning_rate=1e-2, swag_n_steps=100, link_approx="probit",
+                 swag_learning_rate=1e-2, swag_n_steps=100,
+                 residual_correction="auto", link_approx="probit",
                  n_samples_predict=512, classes=None, validation_fraction=0.1,
                  trainable_only=True, device="auto", batch_size=256, random_state=None,
                  verbose=0):
@@ -501,6 +564,7 @@ class SubspaceLaplace(_SubspaceMixin, _LaplaceBase):
         self.subspace_X = subspace_X
         self.swag_learning_rate = swag_learning_rate
         self.swag_n_steps = swag_n_steps
+        self.residual_correction = residual_correction
         self.link_approx = link_approx
         self.n_samples_predict = n_samples_predict
         self.classes = classes
@@ -548,6 +612,8 @@ class SubspaceLaplace(_SubspaceMixin, _LaplaceBase):
     def _store_fitted(self, posterior):
         if _reg(self):
             self.noise_variance_ = float(posterior.likelihood.noise_variance)
+        else:
+            self.temperature_ = float(getattr(posterior.likelihood, "temperature", 1.0))
         super()._store_fitted(posterior)
 
     def fit(self, X, y, validation_data=None):
@@ -560,8 +626,8 @@ class SubspaceLaplace(_SubspaceMixin, _LaplaceBase):
         y : array-like of shape (n_samples,) or (n_samples, n_targets)
             Targets (regression) or class labels (classification).
         validation_data : tuple (X_val, y_val), optional
-            Held-out data the network did not fit, used to choose ``"auto"``
-            hyperparameters by validation NLL.
+            Held-out data the network did not fit: an ``"auto"`` noise variance
+            (regression) or a temperature (classification) is calibrated on it.
 
         Returns
         -------
@@ -630,6 +696,72 @@ class SubspaceLaplace(_SubspaceMixin, _LaplaceBase):
             Log probabilities, columns in the order of ``classes_``.
         """
         return LaplaceClassifierMixin.predict_log_proba(self, X)
+
+    def conformalize(self, X_cal, y_cal):
+        """Calibrate split-conformal intervals (regression) or sets (classification).
+
+        Parameters
+        ----------
+        X_cal : array-like of shape (n_cal, n_features)
+            Calibration inputs the network did not fit, exchangeable with test points.
+        y_cal : array-like of shape (n_cal,) or (n_cal, n_targets)
+            Their targets or labels.
+
+        Returns
+        -------
+        self : object
+            The estimator, with ``conformal_scores_``, ``conformal_n_`` and
+            ``conformal_source_``.
+        """
+        skin = LaplaceClassifierMixin if _clf(self) else LaplaceRegressorMixin
+        return skin.conformalize(self, X_cal, y_cal)
+
+    @available_if(_reg)
+    def predict_interval(self, X, confidence=0.9):
+        """Predict split-conformal intervals (regression only; see ``conformalize``).
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+            Query points.
+        confidence : float or array-like of float, default=0.9
+            Coverage level(s) in (0, 1).
+
+        Returns
+        -------
+        lower, upper : ndarray
+            ``mean -/+ q * std``; as :meth:`SubspaceLaplaceRegressor.predict_interval`.
+        """
+        return LaplaceRegressorMixin.predict_interval(self, X, confidence)
+
+    @available_if(_clf)
+    def predict_set(self, X, confidence=0.9, *, method="lac", randomized=False,
+                    allow_empty=False, random_state=0):
+        """Predict split-conformal prediction sets (classification only).
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+            Query points.
+        confidence : float, default=0.9
+            Coverage level in (0, 1).
+        method : {"lac", "aps"}, default="lac"
+            Conformity score.
+        randomized : bool, default=False
+            Randomised APS.
+        allow_empty : bool, default=False
+            Whether a set may be empty.
+        random_state : int, RandomState instance or None, default=0
+            Seed of the randomised APS draws.
+
+        Returns
+        -------
+        sets : ndarray of shape (n_samples, n_classes), dtype bool
+            As :meth:`SubspaceLaplaceClassifier.predict_set`.
+        """
+        return LaplaceClassifierMixin.predict_set(
+            self, X, confidence, method=method, randomized=randomized,
+            allow_empty=allow_empty, random_state=random_state)
 
     @available_if(_reg)
     def sample_y(self, X, n_samples=1, random_state=0):

@@ -141,8 +141,14 @@ def test_minibatches_same_on_numpy_and_dask(monkeypatch):
 def test_registered_estimator_dask_fit_equals_numpy(entry, client):
     case = _case(entry)
     kw = dict(random_state=0, device="cpu")
-    if "max_iter" in entry.make().get_params():  # minibatch methods: a short run suffices
+    params = entry.make().get_params()
+    if "max_iter" in params:  # minibatch methods: a short run suffices
         kw["max_iter"] = 20
+    if "solver" in params:
+        # sampled LLA: the minibatch solver; 20 conjugate-gradient iterations would stop
+        # unconverged, where a sum in another order moves the result by about the
+        # residual (test_sampled_conjugate_gradients_on_dask_equal_numpy below)
+        kw["solver"] = "adam"
     ref = entry.make(case.net, **kw).fit(case.X, case.y)
     est = entry.make(case.net, **kw).fit(da.from_array(case.X, chunks=CHUNK), case.y)
     assert est.prior_variance_ == pytest.approx(ref.prior_variance_, rel=1e-10)
@@ -266,33 +272,70 @@ def test_worker_killed_mid_fit_gives_the_same_result(client, tmp_path):
     assert is_dask(da.ones(2)) and not is_dask(REG.X)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: ELLARegressor(REG.net, n_nystrom=60, random_state=0, device="cpu"),
-    lambda: LLARegressor(REG.net, space="parameter", random_state=0, device="cpu"),
-    lambda: ELLAClassifier(CLF.net, n_nystrom=60, random_state=0, device="cpu"),
-    lambda: SampledLLARegressor(REG.net, n_posterior_samples=8, max_iter=20, random_state=0,
-                                device="cpu"),
-], ids=["ella_reg", "lla_reg", "ella_clf", "sampled_reg"])
-def test_validation_nll_is_a_partition_reduce(make, client):
-    """Dask validation_data: the validation NLL grid (and, for regression, the noise
-    scale) are summed per partition on the workers and equal the numpy selection."""
+_VALIDATED = [
+    lambda **k: ELLARegressor(REG.net, n_nystrom=60, random_state=0, device="cpu", **k),
+    lambda **k: LLARegressor(REG.net, space="parameter", random_state=0, device="cpu", **k),
+    lambda **k: ELLAClassifier(CLF.net, n_nystrom=60, random_state=0, device="cpu", **k),
+    lambda **k: SampledLLARegressor(REG.net, n_posterior_samples=8, max_iter=20,
+                                    solver="adam", random_state=0, device="cpu", **k),
+]
+_VALIDATED_IDS = ["ella_reg", "lla_reg", "ella_clf", "sampled_reg"]
+
+
+def _split_fit(make, client, **kw):
     case = CLF if is_classifier(make()) else REG
     rng = np.random.RandomState(1)
     idx = rng.permutation(N)
     tr, va = idx[:60], idx[60:]
-    ref = make().fit(case.X[tr], case.y[tr], validation_data=(case.X[va], case.y[va]))
-    assert ref.hyper_strategy_ == "validation"
+    ref = make(**kw).fit(case.X[tr], case.y[tr], validation_data=(case.X[va], case.y[va]))
     with distributed.get_task_stream(client) as ts:
-        est = make().fit(da.from_array(case.X[tr], chunks=CHUNK), case.y[tr],
-                         validation_data=(da.from_array(case.X[va], chunks=10), case.y[va]))
+        est = make(**kw).fit(da.from_array(case.X[tr], chunks=CHUNK), case.y[tr],
+                             validation_data=(da.from_array(case.X[va], chunks=10), case.y[va]))
+    return case, ref, est, [str(t["key"]) for t in ts.data]
+
+
+@pytest.mark.parametrize("make", _VALIDATED, ids=_VALIDATED_IDS)
+def test_validation_nll_is_a_partition_reduce(make, client):
+    """Dask validation_data with hyper_strategy="validation": the validation NLL grid
+    (and, for regression, the noise scale) are summed per partition on the workers and
+    equal the numpy selection."""
+    case, ref, est, keys = _split_fit(make, client, hyper_strategy="validation")
+    assert ref.hyper_strategy_ == "validation"
     assert est.prior_variance_ == pytest.approx(ref.prior_variance_, rel=1e-10)
     for key in ("score", "final_score"):
         if key in ref.hyper_trace_:
             np.testing.assert_allclose(est.hyper_trace_[key], ref.hyper_trace_[key], **TOL)
-    keys = [str(t["key"]) for t in ts.data]
     n_part = sum("_partition_task" in k for k in keys)
     # two training partitions; three validation partitions per validation pass (noise
     # scale for regression, then the NLL grid)
     n_val_passes = 1 if is_classifier(est) else 2
     assert n_part >= 2 + 3 * n_val_passes, keys
     _assert_close(_outputs(ref, case.X_test), _outputs(est, da.from_array(case.X_test, 8)))
+
+
+@pytest.mark.parametrize("make", _VALIDATED, ids=_VALIDATED_IDS)
+def test_default_calibration_on_dask_validation_equals_numpy(make, client):
+    """The default policy with dask validation_data: the prior from the method's
+    objective, then the noise (regression) or temperature (classification) calibrated
+    on the held-out rows, read per batch: the same as on numpy input."""
+    case, ref, est, _ = _split_fit(make, client)
+    assert ref.hyper_strategy_ != "validation" and ref.validation_source_ == "validation_data"
+    assert est.prior_variance_ == pytest.approx(ref.prior_variance_, rel=1e-10)
+    if is_classifier(ref):
+        assert est.temperature_ == pytest.approx(ref.temperature_, rel=1e-8)
+    else:
+        assert est.noise_variance_ == pytest.approx(ref.noise_variance_, rel=1e-8)
+    _assert_close(_outputs(ref, case.X_test), _outputs(est, da.from_array(case.X_test, 8)))
+
+
+def test_sampled_conjugate_gradients_on_dask_equal_numpy(client):
+    """Sampled LLA's default solver for small data (conjugate gradients, one partition
+    reduce per iteration) run to convergence: dask and numpy inputs agree to the
+    solver's tolerance (the sums run in another order, so not to rounding)."""
+    kw = dict(n_posterior_samples=8, solver="cg", tol=1e-10, max_iter=2000, random_state=0,
+              device="cpu")
+    ref = SampledLLARegressor(REG.net, **kw).fit(REG.X, REG.y)
+    est = SampledLLARegressor(REG.net, **kw).fit(da.from_array(REG.X, chunks=CHUNK), REG.y)
+    assert est.prior_variance_ == pytest.approx(ref.prior_variance_, rel=1e-7)
+    _assert_close(_outputs(ref, REG.X_test), _outputs(est, da.from_array(REG.X_test, 8)),
+                  rtol=1e-7, atol=1e-10)

@@ -223,6 +223,26 @@ def test_full_rank_regression_equals_exact_on_training_inputs(reg):
     np.testing.assert_allclose(cov_e, cov_x, rtol=0, atol=RTOL_EXACT * np.abs(cov_x).max())
 
 
+def test_full_rank_auto_hyperparameters_equal_exact(reg, clf):
+    # ELLA's "auto" hyperparameters are those of the network's exact LLA: with every
+    # pair and every component, the evidence over the feature-space spectrum is the
+    # full GGN's (the prior normalisers of the P - K other directions cancel), so both
+    # choose the same (s0^2, s2); classifiers share the weight-norm prior
+    kw = dict(prior_variance="auto", noise_variance="auto")
+    ella = _fit_full_rank(_ella_reg(reg.module, **kw), reg.X, reg.y)
+    exact = LLARegressor(reg.module, device="cpu").fit(reg.X, reg.y)
+    assert ella.hyper_strategy_ == exact.hyper_strategy_ == "evidence"
+    assert ella.prior_variance_ == pytest.approx(exact.prior_variance_, rel=1e-5)
+    assert ella.noise_variance_ == pytest.approx(exact.noise_variance_, rel=1e-5)
+    assert _max_rel(ella.predict(reg.X, return_std=True)[1],
+                    exact.predict(reg.X, return_std=True)[1]) < 1e-5
+    c = ELLAClassifier(clf.module, n_nystrom=ALL, n_components=ALL, device="cpu",
+                       random_state=0).fit(clf.X, clf.y)
+    e = LLAClassifier(clf.module, device="cpu").fit(clf.X, clf.y)
+    assert c.hyper_strategy_ == e.hyper_strategy_ == "weight_norm"
+    assert c.prior_variance_ == pytest.approx(e.prior_variance_, rel=1e-12)
+
+
 def test_full_rank_multioutput_equals_exact(reg2):
     ella = _fit_full_rank(_ella_reg(reg2.module), reg2.X, reg2.y)
     exact = LLARegressor(reg2.module, prior_variance=S0, noise_variance=S2,
@@ -524,36 +544,55 @@ def test_early_stopping_stops_when_validation_nll_rises(reg400):
     assert est.posterior_.prior_scale == pytest.approx(20 / len(d.X))
 
 
-def test_early_stopping_with_holdout(reg400):
+def test_early_stopping_needs_rows_the_net_did_not_fit(reg400):
     d = reg400
-    est = _es(d.module).fit(d.X, d.y)  # hold-out of validation_fraction=0.1
-    n_train = len(d.X) - 40
-    _check_history(est, 2, n_train)
-    assert 0 < est.n_seen_ <= n_train
-    # never stopping: one evaluation every search_freq points, up to the 360 kept
-    est = _es(d.module, n_iter_no_change=1000).fit(d.X, d.y)
-    assert [h[0] for h in est.validation_scores_] == list(range(20, n_train + 1, 20))
-    # validation_data given: no hold-out, every training point can be used
+    # the rows the network was trained on are never carved out as "validation"
+    with pytest.raises(ValueError, match="validation_data"):
+        _es(d.module).fit(d.X, d.y)
+    # validation_data given: every training point can be used, one evaluation every
+    # search_freq points
     est = _es(d.module, n_iter_no_change=1000).fit(d.X, d.y, validation_data=(d.X_val, d.y_val))
     assert [h[0] for h in est.validation_scores_] == list(range(20, len(d.X) + 1, 20))
     _check_history(est, 1000, len(d.X))
+
+
+def test_early_stopping_with_auto_hyperparameters_scores_the_calibrated_posterior(reg400):
+    # "auto": at each check the prior of the rows seen so far comes from the evidence
+    # and the noise from the held-out rows; the history holds that held-out NLL, and the
+    # final (auto) fit reproduces the best check's score
+    d = reg400
+    est = _es(d.module, prior_variance="auto", noise_variance="auto", n_iter_no_change=1000)
+    est.fit(d.X, d.y, validation_data=(d.X_val, d.y_val))
+    best = _check_history(est, 1000, len(d.X))
+    assert est.hyper_strategy_ == "evidence"
+    assert est.hyper_trace_["calibration"]["best_score"] == pytest.approx(
+        est.validation_scores_[best][1], rel=1e-9)
+    m, s = est.predict(d.X_val, return_std=True)
+    assert gaussian_nll(d.y_val, m, s) == pytest.approx(est.validation_scores_[best][1],
+                                                        rel=1e-9)
 
 
 def test_validation_data_means_no_holdout(reg):
     # no validation needed: every point is used
     est = _ella_reg(reg.module, n_nystrom=40, n_components=10).fit(reg.X, reg.y)
     assert est.n_seen_ == len(reg.X)
-    # "auto" prior with validation_data: still every point
+    # "auto" prior with validation_data: still every point; the prior from the evidence
+    # (the noise is fixed here, so nothing is calibrated on the held-out rows)
     est = _ella_reg(reg.module, n_nystrom=40, n_components=10, prior_variance="auto")
     est.fit(reg.X, reg.y, validation_data=(reg.X_val, reg.y_val))
     assert est.n_seen_ == len(reg.X)
-    assert est.hyper_strategy_ == "validation"
+    assert est.hyper_strategy_ == "evidence" and "calibration" not in est.hyper_trace_
+    # both "auto": the noise is calibrated on them
+    est = _ella_reg(reg.module, n_nystrom=40, n_components=10, prior_variance="auto",
+                    noise_variance="auto").fit(reg.X, reg.y,
+                                               validation_data=(reg.X_val, reg.y_val))
+    assert est.n_seen_ == len(reg.X) and "calibration" in est.hyper_trace_
     # "auto" prior without validation data and with a pretrained net: the rows the net
     # was trained on are no honest hold-out; every point is used and the evidence decides
     est = _ella_reg(reg.module, n_nystrom=40, n_components=10, prior_variance="auto",
                     validation_fraction=0.25).fit(reg.X, reg.y)
     assert est.n_seen_ == len(reg.X)
-    assert est.hyper_strategy_ == "evidence"
+    assert est.hyper_strategy_ == "evidence" and est.validation_source_ is None
 
 
 def _prior_grid(module):
@@ -571,12 +610,12 @@ def _brute_force_val_nll(reg, grid, **kw):
     return nll
 
 
-def test_auto_prior_variance_minimises_validation_nll(reg):
+def test_validation_strategy_prior_variance_minimises_validation_nll(reg):
     # validation inputs a little wider than the training range, s2 fixed above the
     # true noise: the validation NLL of ELLA then has an interior minimum over the
     # prior grid (observed at index ~19 of 33, separated from its neighbours by ~1e-4).
     kw = dict(n_nystrom=80, n_components=20, noise_variance=0.03)
-    est = _ella_reg(reg.module, prior_variance="auto", **kw)
+    est = _ella_reg(reg.module, prior_variance="auto", hyper_strategy="validation", **kw)
     est.fit(reg.X, reg.y, validation_data=(reg.X_val, reg.y_val))
     grid = _prior_grid(reg.module)
     nll = _brute_force_val_nll(reg, grid, **kw)
@@ -588,12 +627,14 @@ def test_auto_prior_variance_minimises_validation_nll(reg):
 
 
 def test_auto_noise_variance_minimises_validation_nll(reg):
+    # a fixed prior and "auto" noise with held-out rows: the noise is the held-out NLL's
+    # minimiser (coarse grid of 41 plus a refinement), checked against refits
     kw = dict(n_nystrom=80, n_components=20, prior_variance=1.0)
     est = _ella_reg(reg.module, noise_variance="auto", **kw)
     est.fit(reg.X, reg.y, validation_data=(reg.X_val, reg.y_val))
     with torch.no_grad():
         g = reg.module(torch.as_tensor(reg.X_val)).numpy()[:, 0]
-    grid = np.mean((reg.y_val - g) ** 2) * np.logspace(-1, 1, 21)
+    grid = np.mean((reg.y_val - g) ** 2) * np.logspace(-3, 1, 41)
     nll = []
     for s2 in grid:
         ref = _ella_reg(reg.module, noise_variance=float(s2), **kw).fit(reg.X, reg.y)
@@ -601,13 +642,15 @@ def test_auto_noise_variance_minimises_validation_nll(reg):
         nll.append(gaussian_nll(reg.y_val, mu, sd))
     best = int(np.argmin(nll))
     assert 0 < best < len(grid) - 1
-    assert est.noise_variance_ == pytest.approx(grid[best], rel=1e-12)
+    mu, sd = est.predict(reg.X_val, return_std=True)
+    assert gaussian_nll(reg.y_val, mu, sd) <= nll[best] + 1e-12
+    assert grid[best - 1] < est.noise_variance_ < grid[best + 1]
     assert est.prior_variance_ == 1.0
 
 
-def test_auto_prior_with_residual_correction_minimises_validation_nll(reg):
+def test_validation_strategy_with_residual_correction_minimises_validation_nll(reg):
     kw = dict(n_nystrom=80, n_components=8, noise_variance=S2, residual_correction=True)
-    est = _ella_reg(reg.module, prior_variance="auto", **kw)
+    est = _ella_reg(reg.module, prior_variance="auto", hyper_strategy="validation", **kw)
     est.fit(reg.X, reg.y, validation_data=(reg.X_val, reg.y_val))
     grid = _prior_grid(reg.module)
     nll = _brute_force_val_nll(reg, grid, **kw)

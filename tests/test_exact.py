@@ -175,7 +175,7 @@ def test_auto_space_picks_smaller(reg_data, reg_net, clf_data, clf_net):
 
 
 def test_too_large_raises_naming_ella():
-    # P = 2 * 20001 and N*C = 2 * 20001: both above the dense limit (20,000), and the
+    # P = 2 * 20001 and N*C = 2 * 20001: both above the dense limit (10,000), and the
     # check happens before any Jacobian is formed, so this is cheap.
     torch.manual_seed(0)
     module = nn.Linear(1, 20001, dtype=torch.float64)
@@ -511,10 +511,13 @@ def test_classifier_auto_without_held_out_rows_uses_the_weight_norm(clf_data, cl
     assert est.hyper_strategy_ == "weight_norm" and est.validation_source_ is None
     theta = np.concatenate([p.detach().numpy().ravel() for p in clf_net.module_.parameters()])
     assert est.prior_variance_ == pytest.approx(theta @ theta / theta.size, rel=1e-12)
-    # with held-out rows: the validation grid
+    # with held-out rows: the prior stays the weight norm, a temperature is calibrated
+    # on them (tests/test_glm.py checks the temperature against brute force)
     est = LLAClassifier(clf_net, device="cpu").fit(
         clf_data.X, clf_data.y, validation_data=(clf_data.X_test, clf_data.y_test))
-    assert est.hyper_strategy_ == "validation" and est.validation_source_ == "validation_data"
+    assert est.hyper_strategy_ == "weight_norm" and est.validation_source_ == "validation_data"
+    assert est.prior_variance_ == pytest.approx(theta @ theta / theta.size, rel=1e-12)
+    assert "calibration" in est.hyper_trace_
     with pytest.raises(ValueError, match="validation_data"):
         LLAClassifier(clf_net, hyper_strategy="validation", device="cpu").fit(clf_data.X,
                                                                              clf_data.y)

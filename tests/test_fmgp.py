@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -26,7 +27,12 @@ from torch import nn
 from sklearn_lla import FMGPClassifier, FMGPRegressor
 from sklearn_lla._core.likelihoods import Gaussian
 from sklearn_lla._network.linearized import LinearizedNet
-from sklearn_lla._posteriors.fmgp import FMGPPosterior, mean_regularizer_loss
+from sklearn_lla._posteriors.fmgp import (
+    FMGPPosterior,
+    mean_regularizer_loss,
+    optimal_factor,
+    qstar_initial_noise,
+)
 from sklearn_lla._posteriors.gp import variational_terms
 from sklearn_lla.kernels import RBF, ClassificationKernel, Kernel, median_heuristic
 from sklearn_lla.metrics import centered_quantile_metric, expected_calibration_error, gaussian_nll
@@ -84,12 +90,12 @@ def test_fixed_kernel_with_Z_equal_X_is_the_exact_gp():
     np.testing.assert_allclose(joint.numpy(), exact_joint, rtol=1e-8, atol=1e-11)
 
 
-def _clf_setup(C=3, n=7, seed=0):
+def _clf_setup(C=3, n=7, seed=0, delta="class"):
     torch.manual_seed(seed)
     module = nn.Sequential(nn.Linear(2, 6), nn.Tanh(), nn.Linear(6, C)).double()
     rng = np.random.default_rng(seed)
     X = rng.normal(size=(n, 2))
-    k = ClassificationKernel(length_scale=[0.9, 1.4], amplitude=0.8).initialize(
+    k = ClassificationKernel(length_scale=[0.9, 1.4], amplitude=0.8, delta=delta).initialize(
         torch.as_tensor(X), None, n_outputs=C, task="classification", net=_lin(module, X))
     with torch.no_grad():
         k.L_B.copy_(torch.as_tensor(np.tril(rng.normal(size=(C, C))) + 2 * np.eye(C)))
@@ -99,7 +105,11 @@ def _clf_setup(C=3, n=7, seed=0):
 
 
 def _clf_dense(X1, c1, X2, c2, k, psi):
-    """The classification kernel by hand, pair by pair."""
+    """The classification kernel by hand, pair by pair.
+
+    ``a B[c, c'] RBF(x, x') (s psi(x) psi(x') + delta)``, ``delta = [c = c']`` (the
+    default, the head's bias) or ``[x = x']`` (``delta="input"``, the thesis text).
+    """
     L = np.tril(k.L_B.detach().numpy())
     B = L @ L.T
     ls = np.array([0.9, 1.4])
@@ -108,14 +118,16 @@ def _clf_dense(X1, c1, X2, c2, k, psi):
     for i in range(len(X1)):
         for j in range(len(X2)):
             r2 = (((X1[i] - X2[j]) / ls) ** 2).sum()
-            same = float(np.array_equal(X1[i], X2[j]))
+            same = float(np.array_equal(X1[i], X2[j]) if k.delta == "input"
+                         else c1[i] == c2[j])
             out[i, j] = 0.8 * B[c1[i], c2[j]] * math.exp(-0.5 * r2) * (
                 s * psi(X1[i:i + 1])[0] @ psi(X2[j:j + 1])[0] + same)
     return out
 
 
-def test_classification_kernel_against_dense_hand_computation():
-    module, X, k, psi = _clf_setup()
+@pytest.mark.parametrize("delta", ["class", "input"])
+def test_classification_kernel_against_dense_hand_computation(delta):
+    module, X, k, psi = _clf_setup(delta=delta)
     # the feature scale is 1 / mean |psi|^2 over the initialisation sample
     assert k.feature_scale == pytest.approx(1.0 / np.mean((psi(X) ** 2).sum(-1)), rel=1e-12)
     rng = np.random.default_rng(3)
@@ -150,8 +162,9 @@ def test_classification_kernel_against_dense_hand_computation():
     np.testing.assert_allclose(Kxx.numpy(), diag, rtol=1e-13)
 
 
-def test_classification_kernel_exact_gp_limit():
-    module, X, k, psi = _clf_setup(C=2, n=6)
+@pytest.mark.parametrize("delta", ["class", "input"])
+def test_classification_kernel_exact_gp_limit(delta):
+    module, X, k, psi = _clf_setup(C=2, n=6, delta=delta)
     C, n, s2 = 2, len(X), 0.1
     Z = np.repeat(X, C, axis=0)
     cz = np.tile(np.arange(C), n)
@@ -220,6 +233,45 @@ def test_qstar_term_against_hand_computation():
     assert float(got) == pytest.approx(ref, rel=1e-10)
 
 
+def test_optimal_factor_is_the_exact_gp_factor_and_matches_the_dense_formula():
+    rng = np.random.default_rng(6)
+    X = rng.uniform(-2, 2, (12, 2))
+    s2, amp, ls = 0.05, 1.3, np.array([0.7, 1.1])
+    K = _rbf_np(X, X, amp, ls)
+    # Z = X with sites I / s2: Phi = K K / s2, so L L^T = K^-1 Phi K^-1 = I / s2, the
+    # factor of the exact-GP limit test above (up to the 1e-6 relative jitter of K:
+    # (Kj^-1 K)(K Kj^-1) / s2, compared exactly)
+    L = optimal_factor(torch.as_tensor(K), torch.as_tensor(K) / math.sqrt(s2)).numpy()
+    P = np.linalg.solve(K + 1e-6 * amp * np.eye(12), K)
+    np.testing.assert_allclose(L @ L.T, P @ P.T / s2, rtol=1e-8, atol=1e-9)
+    assert np.abs(P - np.eye(12)).max() < 1e-3  # the jitter's whole effect
+    assert np.allclose(L, np.tril(L)) and np.all(np.diag(L) >= 0)
+    # a general Z against K^-1 G^T G K^-1 in numpy
+    Z = rng.uniform(-2, 2, (5, 2))
+    Kzz, G = _rbf_np(Z, Z, amp, ls), rng.normal(size=(30, 5))
+    L = optimal_factor(torch.as_tensor(Kzz), torch.as_tensor(G)).numpy()
+    Kj = Kzz + 1e-6 * np.mean(np.diag(Kzz)) * np.eye(5)  # START_JITTER
+    ref = np.linalg.solve(Kj, np.linalg.solve(Kj, G.T @ G).T)
+    np.testing.assert_allclose(L @ L.T, ref, rtol=1e-8)
+
+
+def test_qstar_initial_noise_against_hand_computation():
+    rng = np.random.default_rng(7)
+    X, Z = rng.normal(size=(40, 1)), rng.normal(size=(6, 1))
+    y = np.sin(X) + 0.2 * rng.normal(size=(40, 1))
+    amp, ls = 0.9, 0.8
+    k = RBF(length_scale=ls, amplitude=amp).initialize(
+        torch.as_tensor(X), None, n_outputs=1, task="regression", net=None)
+    q = rng.normal(size=6)
+    got = qstar_initial_noise(k, torch.as_tensor(Z), torch.zeros(6, dtype=torch.long),
+                              torch.as_tensor(q), torch.as_tensor(X), torch.as_tensor(y))
+    Kzz, Kxz = _rbf_np(Z, Z, amp, ls), _rbf_np(X, Z, amp, ls)
+    m = Kxz @ np.linalg.solve(Kzz + 1e-3 * amp * np.eye(6), q)  # Q*'s mean
+    A = np.linalg.inv(np.eye(6) + Kzz)  # L = I
+    var = amp - np.einsum("ij,jk,ik->i", Kxz, A, Kxz)
+    assert got == pytest.approx(np.mean((y[:, 0] - m) ** 2 + var), rel=1e-10)
+
+
 # ---------------------------------------------------------------------------------
 # Fits
 # ---------------------------------------------------------------------------------
@@ -233,22 +285,73 @@ def _clusters(n, seed):
     return X, y
 
 
-def test_variance_grows_between_clusters_and_mean_is_the_network():
+@pytest.mark.parametrize("situation", ["b", "c"])
+def test_std_grows_in_the_gaps_early_stopping_fires_and_mean_is_the_network(situation):
+    """Defaults (only M set): std at the gaps' centres >= 3 x on the clusters.
+
+    Situation (b): no held-out rows; (c): ``validation_data``. The objective stops
+    the run (no ConvergenceWarning) and the mean is the network's output exactly.
+    """
+    from sklearn.exceptions import ConvergenceWarning
+
     X, y = _clusters(300, 0)
     Xv, yv = _clusters(100, 1)
     net = _Sin()
-    reg = FMGPRegressor(net, n_inducing=15, max_iter=300, learning_rate=1e-2,
-                        random_state=0, device="cpu").fit(X, y, validation_data=(Xv, yv))
+    reg = FMGPRegressor(net, n_inducing=15, random_state=0, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        reg.fit(X, y, **({"validation_data": (Xv, yv)} if situation == "c" else {}))
+    assert reg.hyper_trace_["stopped_early"] and reg.n_iter_ < reg.max_iter
     grid = np.linspace(-4, 4, 81)[:, None]
     mean, std = reg.predict(grid, return_std=True)
     with torch.no_grad():
         np.testing.assert_array_equal(mean, net(torch.as_tensor(grid))[:, 0].numpy())
     at = lambda v: std[np.argmin(np.abs(grid[:, 0] - v))]  # noqa: E731
     inside = max(at(-3), at(0), at(3))
+    print(f"({situation}) std inside {inside:.3f}, gaps {at(-1.5):.3f} {at(1.5):.3f}, "
+          f"outside {at(-4):.3f} {at(4):.3f}; {reg.n_iter_} steps")
     for gap in (-1.5, 1.5):
-        assert at(gap) > 2 * inside, (at(gap), inside)
+        assert at(gap) >= 3 * inside, (at(gap), inside)
     assert at(-4.0) > 2 * inside and at(4.0) > 2 * inside
-    assert reg.hyper_strategy_ == "variational" and reg.n_iter_ >= 100
+    assert reg.hyper_strategy_ == "variational"
+    assert (reg.validation_source_ is None) == (situation == "b")
+
+
+class _Memorizer(nn.Module):
+    """``sin(2 x)`` plus a narrow bump at each training row: it interpolates its rows."""
+
+    def __init__(self, X, y, width=1e-3):
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor(2.0, dtype=F64))
+        self.register_buffer("xs", torch.as_tensor(X[:, 0], dtype=F64))
+        self.register_buffer("r", torch.as_tensor(y - np.sin(2 * X[:, 0]), dtype=F64))
+        self.width = width
+
+    def forward(self, x):
+        d = (x[:, :1] - self.xs[None, :]) / self.width
+        bumps = (torch.exp(-0.5 * d * d) * self.r).sum(-1, keepdim=True)
+        return torch.sin(self.w * x[:, :1]) + bumps
+
+
+def test_noise_is_learned_by_qstar_not_from_the_networks_training_residuals():
+    """A network that interpolates its rows (training residuals ~0): s2 is the noise.
+
+    The noise variance is 0.09; the network's mean squared training residual is 0.016
+    (the bumps of neighbouring rows overlap a little). Learned from the fixed-mean term
+    (the thesis' shared noise, issue 19) s2 collapses towards the residuals; from
+    ``Q*``'s ELBO it is the noise of the data.
+    """
+    rng = np.random.default_rng(0)
+    X = np.sort(rng.uniform(-2, 2, 300))[:, None]
+    y = np.sin(2 * X[:, 0]) + 0.3 * rng.standard_normal(300)
+    net = _Memorizer(X, y)
+    with torch.no_grad():
+        mse = float(((net(torch.as_tensor(X))[:, 0].numpy() - y) ** 2).mean())
+    assert mse < 0.02
+    reg = FMGPRegressor(net, n_inducing=20, random_state=0, device="cpu").fit(X, y)
+    print(f"noise_variance_ {reg.noise_variance_:.4f} (true 0.09, network residual {mse:.4f})")
+    assert 0.06 < reg.noise_variance_ < 0.135
+    assert reg.hyper_trace_["stopped_early"]
 
 
 def _hetero(n, seed):
@@ -258,23 +361,41 @@ def _hetero(n, seed):
     return X, np.sin(2 * X[:, 0]) + sd * rng.standard_normal(n)
 
 
-def test_better_nll_and_cqm_than_the_network_with_constant_noise():
+@pytest.mark.parametrize("situation", ["b", "c"])
+def test_nll_and_cqm_against_the_network_with_constant_noise(situation):
+    """Heteroscedastic noise (std 0.05 left of 0, 0.5 right), the network = the truth.
+
+    (c) with ``validation_data``: better than the network with the validation
+    residuals' constant noise. ``S`` learns the variance of the residuals beyond the
+    training-time noise (0.16 here, the noise floor in ``S + s2``), and the
+    calibrated ``s2`` (0.055) lets it show: measured NLL 0.306 against 0.412, CQM 0.133
+    against 0.150. (The thesis' shared noise did better here, NLL below 0.1, by letting
+    ``s2`` collapse onto the training residuals, which issue 19 found breaks every
+    network that fits its rows.) (b) without held-out rows: NLL no worse than the
+    network with its training residuals' constant noise (an honest network: those
+    residuals are the noise): measured 0.395 against 0.405 (CQM 0.194 against 0.160:
+    ``s2`` also counts the mean of ``S``, see docs/fmgp.md).
+    """
     X, y = _hetero(600, 0)
     Xv, yv = _hetero(200, 1)
     Xt, yt = _hetero(1000, 2)
     net = _Sin()
     g = lambda A: net(torch.as_tensor(A))[:, 0].detach().numpy()  # noqa: E731
-    sd0 = np.sqrt(np.mean((g(Xv) - yv) ** 2))  # the net with a fitted constant noise
+    Xs, ys = (Xv, yv) if situation == "c" else (X, y)
+    sd0 = np.sqrt(np.mean((g(Xs) - ys) ** 2))  # the net with a fitted constant noise
     base_nll = gaussian_nll(yt, g(Xt), sd0)
     base_cqm = centered_quantile_metric(yt, g(Xt), np.full(len(yt), sd0))
-    reg = FMGPRegressor(net, n_inducing=20, max_iter=800, random_state=0,
-                        device="cpu").fit(X, y, validation_data=(Xv, yv))
+    reg = FMGPRegressor(net, n_inducing=20, max_iter=800, random_state=0, device="cpu")
+    reg.fit(X, y, **({"validation_data": (Xv, yv)} if situation == "c" else {}))
     mean, std = reg.predict(Xt, return_std=True)
     nll, cqm = gaussian_nll(yt, mean, std), centered_quantile_metric(yt, mean, std)
-    print(f"FMGP NLL {nll:.3f} CQM {cqm:.3f}; net + constant noise NLL {base_nll:.3f} "
-          f"CQM {base_cqm:.3f}")
-    assert nll < base_nll - 0.3
-    assert cqm < base_cqm - 0.03
+    print(f"({situation}) FMGP NLL {nll:.3f} CQM {cqm:.3f}; net + constant noise NLL "
+          f"{base_nll:.3f} CQM {base_cqm:.3f}")
+    if situation == "c":
+        assert nll < base_nll - 0.05
+        assert cqm < base_cqm - 0.01
+    else:
+        assert nll < base_nll + 0.02  # issue 19's in-distribution tolerance
 
 
 def test_classifier_probabilities_valid_and_better_than_the_raw_net():
@@ -376,10 +497,8 @@ def test_user_kernel_object():
                         random_state=0).fit(X, y)
     assert isinstance(reg.kernel_, _Fixed1D) and reg.kernel_ is not user
     mean, std = reg.predict(np.array([[0.0], [10.0]]), return_std=True)
-    # far from the data the latent variance returns to the user kernel's prior (times the
-    # validation rescaling, if any)
-    c = reg.posterior_.cov_scale
-    assert std[1] ** 2 == pytest.approx(c * 1.0 + reg.noise_variance_, rel=1e-6)
+    # far from the data the latent variance returns to the user kernel's prior
+    assert std[1] ** 2 == pytest.approx(1.0 + reg.noise_variance_, rel=1e-6)
     assert std[0] < std[1]
     with pytest.raises(ValueError, match="prior_variance"):
         FMGPRegressor(_Sin(), kernel=user, prior_variance=1.0, device="cpu").fit(X, y)

@@ -5,7 +5,11 @@
 * a non-orthonormal projection ``V`` (subspace Laplace's case) against the dense
   subspace formula ``S = J V (V^T H V)^-1 V^T J^T``;
 * the strategies of ``_hyper``: evidence and validation grids against brute force,
-  edge warnings.
+  edge warnings;
+* the "auto" policy with held-out rows (issue 19): the prior stays on its objective
+  (the evidence), the noise variance is calibrated on the held-out rows along the
+  evidence ridge, classifiers get a temperature; both checked against brute-force
+  refits with fixed hyperparameters, in parameter and function space.
 """
 
 from __future__ import annotations
@@ -188,9 +192,9 @@ def test_validation_grid_picks_the_minimum_and_warns_at_edges():
     assert res.prior_variance == pytest.approx(1.0)
     assert res.noise_variance == pytest.approx(10 ** 0.5)  # nearest grid point to 2
     # the optimum at the raw-network floor and at the upper edge both warn
-    with pytest.warns(HyperparameterWarning, match="lower edge"):
+    with pytest.warns(HyperparameterWarning, match="smallest prior_variance"):
         grid.select("auto", None, score=lambda s0, s2: s0[:, None], base_prior=1.0)
-    with pytest.warns(HyperparameterWarning, match="upper edge"):
+    with pytest.warns(HyperparameterWarning, match="largest prior_variance"):
         grid.select("auto", None, score=lambda s0, s2: -s0[:, None], base_prior=1.0)
     with pytest.raises(FloatingPointError, match="not finite"):
         grid.select("auto", None, score=lambda s0, s2: np.full((len(s0), 1), np.nan),
@@ -200,7 +204,8 @@ def test_validation_grid_picks_the_minimum_and_warns_at_edges():
 def test_validation_strategy_equals_brute_force(reg_data, reg_net):
     X, y = reg_data.X, reg_data.y
     Xv, yv = reg_data.X_test, reg_data.y_test
-    est = LLARegressor(reg_net, device="cpu").fit(X, y, validation_data=(Xv, yv))
+    est = LLARegressor(reg_net, hyper_strategy="validation", device="cpu").fit(
+        X, y, validation_data=(Xv, yv))
     assert est.hyper_strategy_ == "validation"
     trace = est.hyper_trace_
     s0s, s2s = trace["prior_variance"], trace["noise_variance"]
@@ -235,3 +240,146 @@ def test_latent_predictive_var_and_sample():
         torch.testing.assert_close(emp, cov[b], rtol=0, atol=0.05 * float(cov[b].abs().max()))
         torch.testing.assert_close(s[:, b].mean(0), mean[b], rtol=0,
                                    atol=0.05 * float(cov[b].diagonal().sqrt().max()))
+
+
+# ---------------------------------------------------------------------------------
+# The "auto" policy with held-out rows: objective for the prior, held-out rows for one
+# scalar (noise / temperature), checked against brute-force refits
+# ---------------------------------------------------------------------------------
+
+
+def _held_out_nll(est, Xv, yv):
+    from sklearn_lla.metrics import gaussian_nll
+
+    m, s = est.predict(Xv, return_std=True)
+    return gaussian_nll(yv, m, s)
+
+
+@pytest.mark.parametrize("space", ["parameter", "function"])
+def test_auto_with_held_out_rows_calibrates_noise_along_the_evidence_ridge(space, reg_data,
+                                                                          reg_net):
+    X, y, Xv, yv = reg_data.X, reg_data.y, reg_data.X_test, reg_data.y_test
+    est = LLARegressor(reg_net, space=space, device="cpu").fit(X, y, validation_data=(Xv, yv))
+    assert est.hyper_strategy_ == "evidence" and est.validation_source_ == "validation_data"
+    s0, s2 = est.prior_variance_, est.noise_variance_
+    cal = est.hyper_trace_["calibration"]
+    # (1) on the ridge: the prior is the evidence optimum for that noise (a refit without
+    # held-out rows and the noise fixed gives the same prior variance)
+    ridge = lambda v: LLARegressor(reg_net, space=space, noise_variance=float(v),
+                                   device="cpu").fit(X, y)
+    assert est.prior_variance_ == pytest.approx(ridge(s2).prior_variance_, rel=1e-6)
+    # (2) the held-out NLL of the chosen pair is what the trace says, and no ridge point
+    # of the grid nor its neighbours on either side (one refinement step) does better
+    nll = _held_out_nll(est, Xv, yv)
+    assert cal["best_score"] == pytest.approx(nll, rel=1e-9)
+    step = 10 ** 0.1 / 5  # the refinement grid spacing around the coarse optimum
+    for v in (s2 * (1 + step), s2 / (1 + step), s2 * 10 ** 0.5, s2 * 10 ** -0.5):
+        assert _held_out_nll(ridge(v), Xv, yv) >= nll - 1e-9
+    # (3) the same pair scored by a fixed-hyperparameter fit: the predictive is the
+    # consistent posterior of (s0, s2), not a noise pasted onto another posterior
+    fixed = LLARegressor(reg_net, space=space, prior_variance=s0, noise_variance=s2,
+                         device="cpu").fit(X, y)
+    np.testing.assert_allclose(fixed.predict(Xv, return_std=True)[1],
+                               est.predict(Xv, return_std=True)[1], rtol=1e-9)
+    # (4) without held-out rows nothing is calibrated
+    plain = LLARegressor(reg_net, space=space, device="cpu").fit(X, y)
+    assert "calibration" not in plain.hyper_trace_ and plain.validation_source_ is None
+
+
+@pytest.mark.parametrize("space", ["parameter", "function"])
+def test_over_explained_held_out_rows_rescale_the_objectives_pair(space, reg_data, reg_net):
+    """Held-out residuals far below the posterior's latent variance (inputs 3x those of
+    the training distribution, targets = the net's output plus a little noise): the
+    ridge ends at its smallest noise, and the exact
+    rescaling (c s0^2, c s2) of the evidence's own pair, c < 1, is chosen instead: the
+    std is sqrt(c) times the uncalibrated one everywhere (the shape off the data kept),
+    no rescaling of the grid does better, and nothing warns."""
+    import warnings
+
+    from sklearn_lla._core.hyper import SCALE_GRID, HyperparameterWarning
+
+    X, y, Xv = reg_data.X, reg_data.y, 3 * reg_data.X_test
+    rng = np.random.RandomState(0)
+    yv = np.asarray(reg_net.predict(Xv)).reshape(-1) + 3e-3 * rng.randn(len(Xv))
+    plain = LLARegressor(reg_net, space=space, device="cpu").fit(X, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HyperparameterWarning)
+        est = LLARegressor(reg_net, space=space, device="cpu").fit(
+            X, y, validation_data=(Xv, yv))
+    c = est.hyper_trace_["calibration"]["scale"]
+    assert c is not None and SCALE_GRID[0] < c < 1
+    assert est.prior_variance_ == pytest.approx(c * plain.prior_variance_, rel=1e-10)
+    assert est.noise_variance_ == pytest.approx(c * plain.noise_variance_, rel=1e-10)
+    Xq = np.concatenate([reg_data.X_test, Xv])  # on and off the data
+    np.testing.assert_allclose(est.predict(Xq, return_std=True)[1],
+                               np.sqrt(c) * plain.predict(Xq, return_std=True)[1], rtol=1e-8)
+    nll = _held_out_nll(est, Xv, yv)
+    k = int(np.argmin(np.abs(SCALE_GRID - c)))
+    for j in (k - 1, k + 1):
+        if 0 <= j < len(SCALE_GRID):
+            other = LLARegressor(reg_net, space=space, device="cpu",
+                                 prior_variance=SCALE_GRID[j] * plain.prior_variance_,
+                                 noise_variance=SCALE_GRID[j] * plain.noise_variance_).fit(X, y)
+            assert _held_out_nll(other, Xv, yv) >= nll - 1e-9
+
+
+def test_fixed_prior_with_held_out_rows_calibrates_only_the_noise(reg_data, reg_net):
+    X, y, Xv, yv = reg_data.X, reg_data.y, reg_data.X_test, reg_data.y_test
+    est = LLARegressor(reg_net, prior_variance=S0, device="cpu").fit(
+        X, y, validation_data=(Xv, yv))
+    assert est.prior_variance_ == S0
+    grid = est.hyper_trace_["calibration"]["noise_variance"]
+    brute = [_held_out_nll(LLARegressor(reg_net, prior_variance=S0, noise_variance=float(v),
+                                        device="cpu").fit(X, y), Xv, yv) for v in grid[:41]]
+    assert _held_out_nll(est, Xv, yv) <= min(brute) + 1e-12
+    # both fixed: nothing to calibrate, the given values are kept
+    est = LLARegressor(reg_net, prior_variance=S0, noise_variance=S2, device="cpu").fit(
+        X, y, validation_data=(Xv, yv))
+    assert (est.prior_variance_, est.noise_variance_) == (S0, S2)
+    assert "calibration" not in est.hyper_trace_
+
+
+@pytest.mark.parametrize("space", ["parameter", "function"])
+def test_classifier_temperature_on_held_out_rows(space, clf_data, clf_net):
+    X, y, Xv, yv = clf_data.X, clf_data.y, clf_data.X_test, clf_data.y_test
+    plain = LLAClassifier(clf_net, space=space, device="cpu").fit(X, y)
+    assert plain.temperature_ == 1.0
+    est = LLAClassifier(clf_net, space=space, device="cpu").fit(X, y, validation_data=(Xv, yv))
+    # the prior stays the objective's (full network: the weight norm), only T moves
+    assert est.hyper_strategy_ == "weight_norm"
+    assert est.prior_variance_ == pytest.approx(plain.prior_variance_, rel=1e-12)
+    T = est.temperature_
+    cal = est.hyper_trace_["calibration"]
+    lik = est.likelihood_
+
+    def nll(t):
+        with torch.no_grad():
+            lp = est.posterior_.predict(torch.as_tensor(Xv, dtype=torch.float64))
+            return float(-lik.with_temperature(t).log_predictive(
+                lp.mean, lp.cov, torch.as_tensor(yv)).mean())
+
+    assert nll(T) == pytest.approx(cal["best_score"], rel=1e-9)
+    Tf = cal["fitted_temperature"]
+    assert Tf >= cal["min_temperature"] * (1 - 1e-9)
+    for t in (Tf * 1.05, Tf / 1.05):  # a local minimum unless on the sharpening bound
+        if t >= cal["min_temperature"]:
+            assert nll(t) >= nll(Tf) - 1e-10
+    # kept only when it beats T = 1 out of fold (tests/test_core_calibration.py checks
+    # both branches on data with a known answer)
+    if cal["kept"]:
+        assert T == Tf and cal["out_of_fold_nll"] < cal["out_of_fold_nll_at_1"]
+    else:
+        assert T == 1.0 and cal["out_of_fold_nll"] >= cal["out_of_fold_nll_at_1"]
+    # never sharper than the network itself on the held-out rows
+    raw = clf_net.predict_proba(Xv).max(1).mean()
+    assert est.predict_proba(Xv).max(1).mean() <= raw + 1e-6
+    # predict_proba is the tempered predictive
+    p = est.predict_proba(Xv)
+    with torch.no_grad():
+        lp = est.posterior_.predict(torch.as_tensor(Xv, dtype=torch.float64))
+        want = lik.with_temperature(1.0).predict(lp.mean / T, lp.cov / T**2)
+    np.testing.assert_allclose(p, want.numpy(), rtol=1e-12)
+    # a fixed prior variance: the user chose the predictive, no temperature
+    fixed = LLAClassifier(clf_net, space=space, prior_variance=0.5, device="cpu").fit(
+        X, y, validation_data=(Xv, yv))
+    assert fixed.temperature_ == 1.0

@@ -15,22 +15,24 @@ from __future__ import annotations
 
 import math
 import pickle
+import warnings
 
 import numpy as np
 import pytest
 import torch
 from scipy import integrate
+from sklearn.exceptions import ConvergenceWarning
 
 from sklearn_lla._core.likelihoods import Bernoulli, Categorical, Gaussian
 from sklearn_lla._core.protocol import FitData
 from sklearn_lla._network.linearized import LinearizedNet
+from sklearn_lla._posteriors import gp, gp_algebra
 from sklearn_lla._posteriors.gp import (
     FixedMeanGPPosterior,
     Kernel,
     alpha_energy,
     init_inducing,
     latent_cov,
-    robust_cholesky,
     variational_terms,
 )
 
@@ -224,15 +226,6 @@ def test_latent_cov_never_negative():
     assert float(latent_cov(Kxx, V)) == 0.0
 
 
-def test_robust_cholesky_escalates_and_errors():
-    v = torch.tensor([[1.0], [1.0]], dtype=torch.float64)
-    K = v @ v.T  # singular
-    L = robust_cholesky(K)
-    assert torch.isfinite(L).all()
-    with pytest.raises(np.linalg.LinAlgError, match="not positive definite"):
-        robust_cholesky(torch.full((2, 2), float("nan"), dtype=torch.float64))
-
-
 def _fitdata(X, y, module, val=None, seed=0):
     lin = _lin(module, X)
     lik = Gaussian(1.0)
@@ -301,3 +294,83 @@ def test_init_inducing_per_class():
     assert Z1.shape == (7, 2) and (cz1 == 0).all()
     Z2, _ = init_inducing(data1, 7, seed=0)
     np.testing.assert_array_equal(Z1, Z2)
+
+
+# ---------------------------------------------------------------------------------
+# The subspace (Nystrom) covariance, early stopping on the objective, threads
+# ---------------------------------------------------------------------------------
+
+
+def test_subspace_covariance_against_the_dense_nystrom_formula(monkeypatch):
+    """``Qxx - Kxz A Kzx``: with ``Z = X`` and ``L L^T = I / s2`` the exact GP posterior
+    at the training inputs (where ``Q = K``), and the dense formula everywhere."""
+    X = np.linspace(-2, 2, 8)[:, None]
+    Xs = np.linspace(-3, 3, 13)[:, None]
+    s2 = 0.05
+    k = _RBF()
+    lin = _lin(_net(), X)
+    Z = torch.as_tensor(X)
+    cz = torch.zeros(len(X), dtype=torch.int64)
+    L = torch.eye(len(X), dtype=torch.float64) / math.sqrt(s2)
+    K = k._k(Z, Z).numpy()
+    Ks = k._k(torch.as_tensor(Xs), Z).numpy()
+    for jitter in (0.0, gp.SUBSPACE_JITTER):
+        monkeypatch.setattr(gp_algebra, "SUBSPACE_JITTER", jitter)
+        post = _Post(k, covariance="subspace").freeze(lin, k, Z, cz, L)
+        Kj = K + jitter * np.mean(np.diag(K)) * np.eye(len(X))
+        A = np.linalg.inv(np.eye(len(X)) * s2 + Kj)  # L (I + L^T Kj L)^-1 L^T
+        want = np.einsum("bm,mk,bk->b", Ks, np.linalg.inv(Kj) - A, Ks)
+        got = post.predict(torch.as_tensor(Xs)).cov[:, 0, 0].numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-8, atol=1e-12)
+        if jitter == 0.0:  # at the training inputs: the exact GP posterior
+            at_x = post.predict(Z).cov[:, 0, 0].numpy()
+            exact = np.diag(K - K @ np.linalg.solve(K + s2 * np.eye(len(X)), K))
+            np.testing.assert_allclose(at_x, exact, rtol=1e-8, atol=1e-12)
+    with pytest.raises(ValueError, match="covariance"):
+        _Post(k, covariance="nystrom")
+    with pytest.raises(ValueError, match="stopping"):
+        _Post(k, stopping="held_out")
+
+
+def test_without_held_out_rows_early_stopping_watches_the_objective():
+    X, y = _data(300, seed=7, noise=0.3)
+    module = torch.nn.Sequential(_Sin())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        post = _Post(_RBF(amp=0.2), n_inducing=8, learning_rate=3e-2, max_iter=20000, alpha=0.0,
+                     batch_size=50, validation_freq=50, n_iter_no_change=3,
+                     tol=1e-3).fit(_fitdata(X, y, module))
+    tr = post.hyper_trace
+    assert tr["monitor"] == "loss" and tr["stopped_early"] and post.n_iter < 20000
+    h = np.asarray(tr["loss"])
+    step, score = tr["validation"][-1]
+    assert score == pytest.approx(h[step - 50:step].mean(), rel=1e-12)
+    # the noise is learned from the objective (the ELBO tells it from the latent
+    # variance at the data): close to the true 0.09
+    assert post.likelihood.noise_variance == pytest.approx(0.09, rel=0.2)
+    # with held-out rows and stopping="auto" the checks score their NLL instead
+    Xv, yv = _data(100, seed=8, noise=0.3)
+    post = _Post(_RBF(amp=0.2), n_inducing=8, learning_rate=3e-2, max_iter=200,
+                 batch_size=50, validation_freq=50).fit(_fitdata(X, y, module, (Xv, yv)))
+    assert post.hyper_trace["monitor"] == "validation"
+    assert post.hyper_trace["validation"][0][0] == 0  # the start is scored too
+
+
+def test_fit_runs_torch_on_one_thread_and_restores_the_setting():
+    before = torch.get_num_threads()
+    seen = []
+
+    class _Spy(_RBF):
+        def gram(self, z, cz):
+            seen.append(torch.get_num_threads())
+            return super().gram(z, cz)
+
+    X, y = _data(60, seed=9)
+    try:
+        torch.set_num_threads(2)
+        _Post(_Spy(), n_inducing=4, max_iter=3, early_stopping=False).fit(
+            _fitdata(X, y, torch.nn.Sequential(_Sin())))
+        assert set(seen) == {gp.FIT_THREADS}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

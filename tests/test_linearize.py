@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev, vjp, vmap
 
-from sklearn_lla._network.linearized import LinearizedNet, last_layer_param_names
+from sklearn_lla._network.linearized import LinearizedNet
+from sklearn_lla._network.resolve import last_layer_param_names
 from sklearn_lla._network.structured.chain import StructuredChain
 
 DT = torch.float64
@@ -460,3 +461,51 @@ def test_pickle_rebuild_failure_is_reported(monkeypatch):
     assert lin2.backend == "functorch" and lin2.chain is None
     assert "after unpickling: simulated" in lin2.backend_reason
     _close(lin2.ntk(_x()), lin.ntk(_x()))
+
+
+# ---------------------------------------------------------------------------------
+# Public Jacobian factors and rows (what the kernels use)
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", list(NETS))
+def test_jacobian_rows_match_dense_and_differentiate_wrt_inputs(backend):
+    module = NETS[backend]()
+    lin = LinearizedNet(module, example_input=_x(), structured=True)
+    assert lin.backend == backend
+    x = _x(5, seed=4)
+    out = torch.tensor([0, 1, 1, 0, 1])
+    J = _dense_jacobian(module, x)
+    _close(lin.jacobian_rows(x, out), J[torch.arange(5), out])
+    # differentiable: d/dx sum(rows^2) against the dense Jacobian's double backward
+    xr = x.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad((lin.jacobian_rows(xr, out, differentiable=True) ** 2).sum(), xr)
+    xd = x.clone().requires_grad_(True)
+
+    def row(p, xi, oi):
+        return (functional_call(module, (p, {}), (xi[None],))[0] * oi).sum()
+
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    onehot = torch.nn.functional.one_hot(out, 2).to(DT)
+    jac = vmap(jacrev(row), in_dims=(None, 0, 0))(params, xd, onehot)
+    R = torch.cat([jac[k].reshape(5, -1) for k in params], dim=1)
+    (g_ref,) = torch.autograd.grad((R ** 2).sum(), xd)
+    _close(g, g_ref)
+    assert not lin.jacobian_rows(x, out).requires_grad
+    with pytest.raises(ValueError, match="out_idx"):
+        lin.jacobian_rows(x, out[:3])
+
+
+def test_factored_jacobian_is_public_and_structured_only():
+    module = _mlp()
+    lin = LinearizedNet(module, example_input=_x())
+    x = _x(4, seed=2)
+    F = lin.factored_jacobian(x)
+    _close(F.dense().reshape(4, 2, -1), _dense_jacobian(module, x))
+    assert not F.layers[0].delta.requires_grad
+    xr = x.clone().requires_grad_(True)
+    Fd = lin.factored_jacobian(xr, torch.tensor([1, 0, 1, 1]), differentiable=True)
+    assert Fd.n_rows == 4 and Fd.layers[0].act.requires_grad
+    generic = LinearizedNet(_LayerNormNet(), example_input=_x())
+    with pytest.raises(RuntimeError, match="structured backend"):
+        generic.factored_jacobian(x)

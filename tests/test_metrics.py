@@ -26,15 +26,27 @@ from sklearn_lla.metrics import (
     expected_calibration_error,
     gaussian_nll,
     get_scorer,
+    get_scorer_names,
+    interval_coverage,
+    interval_coverage_scorer,
+    interval_score,
+    mean_interval_width,
+    mean_set_size,
     neg_brier_scorer,
     neg_cqm_scorer,
     neg_crps_scorer,
     neg_ece_scorer,
+    neg_interval_score_scorer,
     neg_log_loss_scorer,
+    neg_mean_interval_width_scorer,
+    neg_mean_set_size_scorer,
     neg_nll_scorer,
     ood_auc,
     predictive_entropy,
     reliability_curve,
+    set_coverage,
+    set_coverage_scorer,
+    winkler_score,
 )
 
 # Two-sided standard-normal quantiles Phi^{-1}((1 + a) / 2) for a = 0.1, ..., 0.9:
@@ -666,5 +678,250 @@ def test_get_scorer():
 def test_all_exports_exist():
     for name in metrics.__all__:
         assert hasattr(metrics, name), name
-    for name in REGRESSION_SCORERS + CLASSIFICATION_SCORERS:
+    for name in REGRESSION_SCORERS + CLASSIFICATION_SCORERS + CONFORMAL_SCORERS:
         assert f"{name}_scorer" in metrics.__all__
+
+
+# ---------------------------------------------------------------------------
+# Interval and set metrics
+# ---------------------------------------------------------------------------
+
+CONFORMAL_SCORERS = ("interval_coverage", "neg_mean_interval_width", "neg_interval_score",
+                     "set_coverage", "neg_mean_set_size")
+
+
+def test_interval_metrics_hand_values():
+    y = np.array([0.0, 1.0, 5.0, 2.0])
+    lo = np.array([-1.0, 0.0, 0.0, 2.0])
+    hi = np.array([1.0, 2.0, 3.0, 4.0])
+    assert interval_coverage(y, lo, hi) == 0.75  # 5 is out; 2 on a bound is in
+    assert mean_interval_width(lo, hi) == pytest.approx(2.25)
+    # width 2.25 on average; the miss of 5 by 2 costs 2 / alpha * 2, averaged over 4
+    for c in (0.5, 0.8, 0.9):
+        expected = 2.25 + (2.0 / (1.0 - c)) * 2.0 / 4.0
+        assert interval_score(y, lo, hi, confidence=c) == pytest.approx(expected, rel=1e-12)
+    assert winkler_score is interval_score
+    # a miss below the interval counts the same
+    assert interval_score([-3.0], [-1.0], [1.0], 0.5) == pytest.approx(2.0 + 4.0 * 2.0)
+    # multi-output and column shapes
+    Y, L, H = np.stack([y, y], 1), np.stack([lo, lo - 10], 1), np.stack([hi, hi + 10], 1)
+    assert interval_coverage(Y, L, H) == pytest.approx((3 + 4) / 8)
+    assert interval_coverage(y[:, None], lo, hi[:, None]) == 0.75
+    # infinite bounds: covered, infinitely wide
+    assert interval_coverage([1e9], [-np.inf], [np.inf]) == 1.0
+    assert mean_interval_width([-np.inf], [0.0]) == np.inf
+
+
+def test_interval_score_is_proper_for_gaussian_quantiles():
+    # E S(l, u; y) for y ~ N(0, 1) and [l, u] = [-a, a] has the closed form
+    # 2a + (4 / alpha) (phi(a) - a (1 - Phi(a))), minimised at a = z_{1 - alpha / 2}.
+    alpha = 0.1
+    z = stats.norm.ppf(1 - alpha / 2)
+    a = np.linspace(0.5, 3.5, 3001)
+    expected = 2 * a + 4 / alpha * (stats.norm.pdf(a) - a * stats.norm.sf(a))
+    assert a[np.argmin(expected)] == pytest.approx(z, abs=1e-3)
+    y = np.random.default_rng(0).normal(size=400_000)
+    for scale in (0.8, 1.0, 1.25):
+        ai = scale * z
+        e = 2 * ai + 4 / alpha * (stats.norm.pdf(ai) - ai * stats.norm.sf(ai))
+        got = interval_score(y, np.full_like(y, -ai), np.full_like(y, ai), 1 - alpha)
+        assert got == pytest.approx(e, rel=5e-3)
+
+
+def test_interval_metric_errors():
+    with pytest.raises(ValueError, match="lower must not exceed upper"):
+        interval_coverage([0.0], [1.0], [0.0])
+    with pytest.raises(ValueError, match="same shape"):
+        mean_interval_width([0.0, 1.0], [1.0])
+    with pytest.raises(ValueError, match="y and the bounds"):
+        interval_coverage([0.0, 1.0, 2.0], [0.0, 0.0], [1.0, 1.0])
+    with pytest.raises(ValueError, match="NaN"):
+        mean_interval_width([np.nan], [1.0])
+    with pytest.raises(ValueError, match="non-finite"):
+        interval_coverage([np.inf], [0.0], [1.0])
+    with pytest.raises(ValueError, match="empty"):
+        interval_coverage([], [], [])
+    for bad in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match="confidence"):
+            interval_score([0.0], [0.0], [1.0], confidence=bad)
+    with pytest.raises(TypeError, match="confidence"):
+        interval_score([0.0], [0.0], [1.0], confidence=True)
+
+
+def test_set_metrics():
+    sets = np.array([[True, True, False], [False, False, True], [True, False, False],
+                     [False, False, False]])
+    assert set_coverage([1, 0, 0, 2], sets) == 0.5
+    assert mean_set_size(sets) == 1.0
+    # labels give the class of each column
+    names = np.array(["b", "c", "a"])
+    assert set_coverage(["c", "b", "b", "a"], sets, labels=names) == 0.5
+    assert set_coverage([1, 0, 0, 2], sets.astype(int)) == 0.5
+    with pytest.raises(ValueError, match="boolean"):
+        mean_set_size(np.array([[0.5, 1.0]]))
+    with pytest.raises(ValueError, match="2-D"):
+        mean_set_size(np.array([True, False]))
+    with pytest.raises(ValueError, match="inconsistent numbers of samples"):
+        set_coverage([0, 1], sets)
+    with pytest.raises(ValueError, match="not in labels"):
+        set_coverage(["x", "b", "b", "a"], sets, labels=names)
+
+
+# ---------------------------------------------------------------------------
+# Interval and set scorers
+# ---------------------------------------------------------------------------
+
+
+class FakeIntervalRegressor:
+    """Returns mean -+ confidence (so the requested confidence shows in the width)."""
+
+    def __init__(self, mean):
+        self.mean = np.asarray(mean, dtype=float)
+
+    def predict_interval(self, X, confidence=0.9):
+        return self.mean - confidence, self.mean + confidence
+
+
+class FakeSetClassifier:
+    """Returns fixed sets for method 'lac' and all classes for 'aps'."""
+
+    def __init__(self, sets, classes):
+        self.sets, self.classes_ = np.asarray(sets), np.asarray(classes)
+        self.calls = []
+
+    def predict_set(self, X, confidence=0.9, method="lac"):
+        self.calls.append((confidence, method))
+        return self.sets if method == "lac" else np.ones_like(self.sets)
+
+
+def test_interval_scorers_values():
+    y = np.array([0.0, 1.0, 2.0, 0.5])
+    est = FakeIntervalRegressor([0.0, 0.0, 0.0, 0.0])
+    X = np.zeros((4, 1))
+    lo, hi = est.predict_interval(X, 0.9)
+    assert interval_coverage_scorer(est, X, y) == interval_coverage(y, lo, hi) == 0.5
+    assert neg_mean_interval_width_scorer(est, X, y) == pytest.approx(-1.8)
+    assert neg_interval_score_scorer(est, X, y) == pytest.approx(-interval_score(y, lo, hi, 0.9))
+    # the confidence setting reaches predict_interval and the interval score
+    s = get_scorer("neg_interval_score", confidence=0.5)
+    lo5, hi5 = est.predict_interval(X, 0.5)
+    assert s(est, X, y) == pytest.approx(-interval_score(y, lo5, hi5, 0.5))
+    assert get_scorer("neg_mean_interval_width_scorer", confidence=0.5)(est, X, y) == -1.0
+    assert neg_interval_score_scorer.confidence == 0.9  # the module's object is untouched
+
+
+def test_set_scorers_values():
+    sets = np.array([[True, False, False], [True, True, False], [False, False, True]])
+    est = FakeSetClassifier(sets, ["b", "c", "a"])
+    X, y = np.zeros((3, 1)), np.array(["b", "a", "a"])
+    assert set_coverage_scorer(est, X, y) == pytest.approx(2 / 3)
+    assert neg_mean_set_size_scorer(est, X, y) == pytest.approx(-4 / 3)
+    assert est.calls == [(0.9, "lac"), (0.9, "lac")]
+    assert get_scorer("neg_mean_set_size", method="aps", confidence=0.8)(est, X, y) == -3.0
+    assert est.calls[-1] == (0.8, "aps")
+
+
+def test_conformal_scorer_errors():
+    X, y = np.zeros((2, 1)), np.zeros(2)
+    with pytest.raises(AttributeError, match="'interval_coverage' needs .*predict_interval"):
+        interval_coverage_scorer(BayesianRidge().fit(X + [[0], [1]], y), X, y)
+    with pytest.raises(AttributeError, match="'set_coverage' needs .*predict_set"):
+        set_coverage_scorer(FrequencyClassifier().fit(X, [0, 1]), X, [0, 1])
+
+    class MapieLike:  # MAPIE's predict_interval(X) -> (points, (n, 2, k) intervals)
+        def predict_interval(self, X):
+            return np.zeros(len(X)), np.zeros((len(X), 2, 1))
+
+    with pytest.raises(TypeError, match="does not accept confidence"):
+        interval_coverage_scorer(MapieLike(), X, y)
+
+    class WrongShape:
+        def predict_interval(self, X, confidence=0.9):
+            return np.zeros(len(X)), np.zeros((len(X), 2, 1))
+
+    with pytest.raises(ValueError, match="returned something else"):
+        neg_interval_score_scorer(WrongShape(), X, y)
+    with pytest.raises(ValueError, match=r"takes no setting\(s\) \['method'\]"):
+        get_scorer("interval_coverage", method="aps")
+    with pytest.raises(ValueError, match="takes no setting"):
+        get_scorer("neg_nll", confidence=0.9)
+    with pytest.raises(ValueError, match="apply to sklearn_lla's interval and set scorers"):
+        get_scorer("r2", confidence=0.9)
+    with pytest.raises(ValueError, match="confidence"):
+        get_scorer("set_coverage", confidence=1.5)
+    with pytest.raises(ValueError, match="method"):
+        get_scorer("set_coverage", method="raps")
+
+
+@pytest.mark.parametrize("name", CONFORMAL_SCORERS)
+def test_conformal_scorers_pickle_and_repr(name):
+    scorer = getattr(metrics, f"{name}_scorer")
+    back = pickle.loads(pickle.dumps(get_scorer(name, confidence=0.8)))
+    assert repr(back) == repr(get_scorer(name, confidence=0.8)) != repr(scorer)
+    assert "confidence=0.8" in repr(back) and name in repr(back)
+
+
+def test_conformal_scorers_on_lla_estimators_in_cross_validate():
+    from sklearn.datasets import make_blobs
+
+    from sklearn_lla import LLAClassifier, LLARegressor
+
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-2, 2, (200, 1))
+    y = np.sin(2 * X[:, 0]) + 0.1 * rng.randn(200)
+    res = cross_validate(LLARegressor(random_state=0, device="cpu"), X, y, cv=2,
+                         error_score="raise",
+                         scoring={n: get_scorer(n) for n in CONFORMAL_SCORERS[:3]})
+    assert np.all((res["test_interval_coverage"] > 0.5) & (res["test_interval_coverage"] <= 1))
+    assert np.all(res["test_neg_mean_interval_width"] < 0)
+    Xc, yc = make_blobs(n_samples=300, centers=3, cluster_std=2.0, random_state=0)
+    res = cross_validate(LLAClassifier(random_state=0, device="cpu", validation_fraction=0.2),
+                         Xc, yc, cv=2, error_score="raise",
+                         scoring={n: get_scorer(n) for n in CONFORMAL_SCORERS[3:]})
+    assert np.all(res["test_set_coverage"] > 0.5)
+    assert np.all((res["test_neg_mean_set_size"] <= -1) & (res["test_neg_mean_set_size"] > -3))
+
+
+# ---------------------------------------------------------------------------
+# Scorer names: the error lists ours, and the opt-in registration in scikit-learn
+# ---------------------------------------------------------------------------
+
+
+def test_unknown_name_lists_our_scorers():
+    with pytest.raises(ValueError) as info:
+        get_scorer("neg_nl")
+    msg = str(info.value)
+    for name in REGRESSION_SCORERS + CLASSIFICATION_SCORERS + CONFORMAL_SCORERS:
+        assert name in msg
+    assert "Did you mean 'neg_nll'" in msg
+    assert "sklearn.metrics.get_scorer_names()" in msg
+    names = get_scorer_names()
+    assert names[:len(REGRESSION_SCORERS)] == list(REGRESSION_SCORERS)
+    assert "r2" in names and len(names) == len(set(names))
+
+
+def test_sklearn_rejects_third_party_names_and_dicts_name_them():
+    """scikit-learn 1.9 validates ``scoring`` strings against a set of its own names
+    frozen at import (GridSearchCV's and cross_validate's parameter constraints), so
+    no third-party name can work there; a dict of scorer objects names them."""
+    X, y = _reg_data(n=300)
+    grid = {"std_scale": [0.1, 1.0, 10.0]}
+    with pytest.raises(ValueError, match="'scoring' parameter of GridSearchCV must be"):
+        GridSearchCV(MeanStdRegressor(), grid, scoring="neg_nll", cv=3).fit(X, y)
+    scoring = get_scorer(["neg_nll", "neg_cqm", "r2"])
+    assert list(scoring) == ["neg_nll", "neg_cqm", "r2"]
+    assert repr(scoring["r2"]) == repr(sk_get_scorer("r2"))
+    gs = GridSearchCV(MeanStdRegressor(), grid, scoring=scoring, refit="neg_nll", cv=3).fit(X, y)
+    ref = GridSearchCV(MeanStdRegressor(), grid, scoring=neg_nll_scorer, cv=3).fit(X, y)
+    assert gs.best_params_ == {"std_scale": 1.0}
+    np.testing.assert_allclose(gs.cv_results_["mean_test_neg_nll"],
+                               ref.cv_results_["mean_test_score"])
+    res = cross_validate(MeanStdRegressor(), X, y, cv=2,
+                         scoring=get_scorer(("neg_crps",)))
+    assert np.all(res["test_neg_crps"] < 0)
+    with pytest.raises(ValueError, match="unique"):
+        get_scorer(["neg_nll", "neg_nll_scorer"])
+    with pytest.raises(ValueError, match="empty"):
+        get_scorer([])
+    with pytest.raises(ValueError, match="'nope' is not a valid scoring value"):
+        get_scorer(["neg_nll", "nope"])

@@ -4,6 +4,7 @@ pretrained network is never modified, cloning semantics, and input validation.""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from sklearn.model_selection import GridSearchCV
 from torch import nn
 
 from sklearn_lla import LLAClassifier, LLARegressor
+from sklearn_lla._network.resolve import looks_freshly_initialised
 from sklearn_lla.nets import MLP
 
 
@@ -532,7 +534,9 @@ def test_skorch_validation_split_is_recovered_and_verified(task, reg_data, clf_d
         net.fit(X, fit_y)
     est = Est(net, device="cpu").fit(X, y)
     assert est.validation_source_ == "the skorch net's own validation split"
-    assert est.hyper_strategy_ == "validation"
+    # the prior from the objective, the held-out rows calibrate the noise / temperature
+    assert est.hyper_strategy_ == ("evidence" if task == "regression" else "weight_norm")
+    assert "calibration" in est.hyper_trace_
     # the held-out rows are exactly skorch's: the first fold (no shuffling)
     n_val = len(X) // 5
     post = est.posterior_
@@ -553,7 +557,7 @@ def test_skorch_validation_split_is_recovered_and_verified(task, reg_data, clf_d
 def test_net_trained_in_fit_keeps_its_holdout(reg_data):
     est = LLARegressor(device="cpu", random_state=0).fit(reg_data.X, reg_data.y)
     assert est.validation_source_ == "rows held out from training the network"
-    assert est.hyper_strategy_ == "validation"
+    assert est.hyper_strategy_ == "evidence" and "calibration" in est.hyper_trace_
 
 
 class _DropsBatch(nn.Module):
@@ -591,3 +595,121 @@ def test_frozen_parameters_are_not_linearised_by_default(reg_data, reg_net):
     assert np.all(s_tr <= s_all + 1e-12)
     # the user's flags are untouched
     assert not any(p.requires_grad for p in first.parameters())
+
+
+# ---------------------------------------------------------------------------------
+# Untrained networks (issue 21): an error where skorch's history tells, a warning
+# where only the weights can be read, and classes passed instead of instances
+# ---------------------------------------------------------------------------------
+
+_UNTRAINED = "looks untrained"
+
+
+def _untrained_warnings(record):
+    return [w for w in record if _UNTRAINED in str(w.message)]
+
+
+@pytest.mark.parametrize("task", ["regression", "classification"])
+def test_initialised_but_untrained_skorch_net_is_an_error(task, reg_data, clf_data):
+    if task == "regression":
+        net, est, d = make_skorch_regressor(3, 1).initialize(), LLARegressor, reg_data
+        name = "NeuralNetRegressor"
+    else:
+        net, est, d = make_skorch_classifier(2, 3).initialize(), LLAClassifier, clf_data
+        name = "NeuralNetClassifier"
+    with pytest.raises(ValueError, match=rf"{name} that was initialised but never trained"):
+        est(net, device="cpu").fit(d.X, d.y)
+    # the message names the ways out
+    with pytest.raises(ValueError, match=r"net\.fit\(X, y\).*initialize\(\).*FrozenEstimator"):
+        est(net, device="cpu").fit(d.X, d.y)
+    assert len(net.history) == 0  # refused, not trained behind the user's back
+
+
+def test_frozen_untrained_skorch_net_warns_naming_the_class(reg_data):
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        net = make_skorch_regressor(3, 1, (32,)).initialize()  # 96 first-layer weights
+    with pytest.warns(UserWarning, match=r"FrozenEstimator\(NeuralNetRegressor\).*looks untrained"):
+        LLARegressor(FrozenEstimator(net), device="cpu").fit(reg_data.X, reg_data.y)
+
+
+def test_fresh_module_warns_naming_the_class(reg_data):
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        module = MLP(3, 1, (32,), dtype=torch.float64)
+    with pytest.warns(UserWarning, match=r"net \(MLP\) looks untrained") as record:
+        est = LLARegressor(module, device="cpu").fit(reg_data.X, reg_data.y)
+    assert len(_untrained_warnings(record)) == 1
+    assert record[0].filename == __file__  # points at the user's call, not the library
+    assert np.all(np.isfinite(est.predict(reg_data.X_test, return_std=True)[1]))
+
+
+def _train_module(module, X, y, steps, lr=1e-2, weight_decay=0.0):
+    opt = torch.optim.Adam(module.parameters(), lr=lr, weight_decay=weight_decay)
+    Xt = torch.as_tensor(X)
+    yt = torch.as_tensor(y, dtype=Xt.dtype).reshape(-1, 1)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(module(Xt), yt).backward()
+        opt.step()
+    return module
+
+
+@pytest.mark.parametrize("kind", ["skorch", "frozen", "module", "briefly_trained", "default"])
+def test_trained_nets_do_not_warn(kind, reg_data, reg_net):
+    if kind == "briefly_trained":  # 20 Adam steps suffice to leave the initial range
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            net = _train_module(MLP(3, 1, (32,), dtype=torch.float64), reg_data.X, reg_data.y, 20)
+    else:
+        net = {"skorch": reg_net, "frozen": FrozenEstimator(reg_net), "module": reg_net.module_,
+               "default": None}[kind]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        LLARegressor(net, device="cpu", random_state=0).fit(reg_data.X, reg_data.y)
+    assert not _untrained_warnings(record)
+
+
+def test_looks_freshly_initialised_evidence():
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        fresh = MLP(3, 1, (32,), dtype=torch.float64)
+        conv = nn.Sequential(nn.Conv2d(1, 8, 3), nn.Flatten(), nn.Linear(8 * 4 * 4, 2))
+        normed = nn.Sequential(nn.Linear(4, 32), nn.LayerNorm(32), nn.Tanh(), nn.Linear(32, 1))
+    assert looks_freshly_initialised(fresh)
+    assert looks_freshly_initialised(conv)
+    assert looks_freshly_initialised(normed)
+    # too few weights to tell: a 3 -> 8 -> 1 MLP (24 and 8 weights) is never flagged
+    assert not looks_freshly_initialised(MLP(3, 1, (8,)))
+    # a weight past the bound, or everything shrunk (weight decay), means trained
+    grown, shrunk, renormed = copy.deepcopy(fresh), copy.deepcopy(fresh), copy.deepcopy(normed)
+    with torch.no_grad():
+        grown.layers[2].weight[0, 0] = 1.01 / np.sqrt(32)
+        for p in shrunk.parameters():
+            p.mul_(0.8)
+        renormed[1].weight[0] = 1.5
+    assert not looks_freshly_initialised(grown)
+    assert not looks_freshly_initialised(shrunk)
+    assert not looks_freshly_initialised(renormed)
+    # another initialisation scheme is not recognised (the warning can miss; it says so)
+    xavier = copy.deepcopy(fresh)
+    for m in xavier.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.xavier_normal_(m.weight)
+    assert not looks_freshly_initialised(xavier)
+
+
+@pytest.mark.parametrize("cls, pattern", [
+    (MLP, r"got the class sklearn_lla\.nets\.MLP itself: pass a trained instance"),
+    (skorch.NeuralNetRegressor,
+     r"got the class skorch\.regressor\.NeuralNetRegressor itself: pass an instance"),
+    (FrozenEstimator, r"got the class sklearn\.frozen\._frozen\.FrozenEstimator itself"),
+])
+def test_class_instead_of_instance_names_the_class(cls, pattern, reg_data):
+    with pytest.raises(TypeError, match=pattern):
+        LLARegressor(cls, device="cpu").fit(reg_data.X, reg_data.y)
+
+
+def test_bad_net_type_names_value_and_type(reg_data):
+    with pytest.raises(TypeError, match=r"got 'abc' of type str$"):
+        LLARegressor("abc", device="cpu").fit(reg_data.X, reg_data.y)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 from sklearn.exceptions import ConvergenceWarning
 
 from sklearn_lla._core.likelihoods import Gaussian
-from sklearn_lla._core.optim import lr_factor, minibatches, minimize
+from sklearn_lla._core.optim import improves, lr_factor, minibatches, minimize
 from sklearn_lla._core.protocol import FitData
 
 
@@ -159,3 +160,78 @@ def test_cosine_decay_settles_below_the_minibatch_noise_floor():
         err[schedule] = float(np.linalg.norm(w.detach().numpy() - want))
     print(f"\n[schedule] distance to least squares: {err}")
     assert err["cosine"] < 0.2 * err["constant"]
+
+
+# ---------------------------------------------------------------------------------
+# One tolerance, the objective as the monitored score, the start as a candidate
+# ---------------------------------------------------------------------------------
+
+
+def test_improves_is_relative_above_one_and_absolute_below():
+    assert improves(0.5, math.inf, 0.0) and not improves(math.nan, 1.0, 0.0)
+    assert not improves(math.inf, math.inf, 0.0)
+    # |best| >= 1: relative
+    assert improves(999.0, 1000.0, 1e-4) and not improves(999.95, 1000.0, 1e-4)
+    # |best| < 1: absolute (a per-point NLL near zero is not held to a vanishing bar)
+    assert improves(-0.0011, 0.0, 1e-3) and not improves(-0.0009, 0.0, 1e-3)
+    assert improves(0.3, 0.3009, 1e-3) is False and improves(0.3, 0.3009, 1e-4)
+    with pytest.raises(ValueError, match="tol"):
+        minimize(lambda b: torch.zeros(()), [torch.zeros(1, requires_grad=True)],
+                 iter([]), max_iter=1, tol=-1.0)
+
+
+def test_tolerance_counts_small_gains_as_none_and_keeps_the_earlier_state():
+    """A check that beats the best by less than ``tol`` counts as no improvement, and
+    the state of the earlier (equally good) check is the one restored."""
+    d = _data()
+    w = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    scores = iter([10.0, 5.0, 4.999, 4.998, 4.997, 1.0])
+    seen = []
+
+    def validation():
+        seen.append(w.detach().clone())
+        return next(scores)
+
+    res = minimize(_loss(w), [w], minibatches(d, 32, torch.Generator().manual_seed(0)),
+                   max_iter=100, lr=1e-2, validation=validation, validation_freq=5,
+                   n_iter_no_change=3, tol=1e-3)
+    assert res.stopped_early and res.best_iter == 10 and res.n_iter == 25
+    torch.testing.assert_close(w.detach(), seen[1], rtol=0, atol=0)
+
+
+def test_the_loss_as_monitored_score_stops_on_a_plateau():
+    """``validation="loss"``: the window mean of the minibatch loss between checks; the
+    run stops once it no longer falls by ``tol`` and restores the best check's state."""
+    d = _data()
+    w = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    res = minimize(_loss(w), [w], minibatches(d, 32, torch.Generator().manual_seed(0)),
+                   max_iter=20000, lr=5e-2, validation="loss", validation_freq=50,
+                   n_iter_no_change=3, tol=1e-3)
+    assert res.monitor == "loss" and res.stopped_early and res.n_iter < 20000
+    h = np.asarray(res.loss_history)
+    for step, score in res.validation_history:  # each score is its window's mean loss
+        assert score == pytest.approx(h[max(0, step - 50):step].mean(), rel=1e-12)
+    steps = [s for s, _ in res.validation_history]
+    assert res.best_iter == steps[-4]  # three checks without progress after the best
+    want = np.linalg.lstsq(d.X, d.y.numpy()[:, 0], rcond=None)[0]
+    np.testing.assert_allclose(w.detach().numpy(), want, atol=0.05)
+    with pytest.raises(ValueError, match="'loss'"):
+        minimize(_loss(w), [w], minibatches(d, 32, torch.Generator()), max_iter=1,
+                 validation="validation")
+
+
+def test_check_start_restores_the_start_when_steps_only_make_things_worse():
+    d = _data()
+    w = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64, requires_grad=True)  # optimum
+    start = w.detach().clone()
+
+    def validation():
+        return float(((w - start) ** 2).sum())
+
+    # an objective pulling away from the start: every check is worse than step 0
+    res = minimize(lambda b: -(w ** 2).sum(), [w], minibatches(d, 8, torch.Generator()),
+                   max_iter=1000, lr=1e-2, validation=validation, validation_freq=10,
+                   n_iter_no_change=2, check_start=True)
+    assert res.validation_history[0] == (0, 0.0)
+    assert res.best_iter == 0 and res.stopped_early and res.n_iter == 20
+    torch.testing.assert_close(w.detach(), start, rtol=0, atol=0)

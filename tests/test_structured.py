@@ -668,3 +668,67 @@ def test_squeezed_single_output():
     # squeezing a wider output, or a linear layer after the squeeze, is not supported
     wide = nn.Sequential(nn.Linear(4, 2), nn.Flatten(0))
     assert StructuredChain.from_module(wide) is None
+
+
+# ---------------------------------------------------------------------------------
+# cross_gram: the differentiable twin of gram
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(NETS))
+def test_cross_gram_equals_gram_and_differentiates_wrt_inputs(name):
+    net, chain, params, buffers, x = _setup(name)
+    z = torch.randn(4, *x.shape[1:], dtype=DT, generator=torch.Generator().manual_seed(3))
+    out = torch.arange(4) % chain.n_outputs
+    Fx = chain.features(params, buffers, x)
+    Fz = chain.features(params, buffers, z, out)
+    _close(Fx.cross_gram(Fz), Fx.gram(Fz), 1e-13)
+    _close(Fz.cross_gram(), Fz.gram(), 1e-13)
+    # d/dz of sum(K(x, z)^2) + sum(K(z, z)) against the dense Jacobian rows' Gram
+
+    def dense(zz):
+        return _ref_jac_rows(net, params, buffers, zz, out)
+
+    def via_factors(zz):
+        Fzz = chain.features(params, buffers, zz, out, differentiable=True)
+        return (Fx.cross_gram(Fzz) ** 2).sum() + Fzz.cross_gram().sum()
+
+    zz = z.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(via_factors(zz), zz)
+    Jx = _ref_jac(net, params, buffers, x)
+    zr = z.clone().requires_grad_(True)
+    R = dense(zr)
+    (g_ref,) = torch.autograd.grad(((Jx @ R.T) ** 2).sum() + (R @ R.T).sum(), zr)
+    _close(g, g_ref, 1e-10)
+
+
+def _ref_jac_rows(net, params, buffers, z, out):
+    """Dense rows ``grad_theta g_out[m](z_m)``, differentiable w.r.t. ``z``."""
+
+    def f(p, zi, oi):
+        return (functional_call(net, (p, buffers), (zi[None],))[0] * oi).sum()
+
+    onehot = F.one_hot(out, int(net(z[:1]).reshape(1, -1).shape[1])).to(z.dtype)
+    jac = vmap(jacrev(f), in_dims=(None, 0, 0))(params, z, onehot)
+    return torch.cat([jac[k].reshape(z.shape[0], -1) for k in params], dim=1)
+
+
+def test_cross_gram_backward_flushes_float32_subnormals():
+    """Gradients reaching float32 factors carry no subnormal entries (a CPU matrix
+    product with subnormal operands runs two orders of magnitude slower)."""
+    a = torch.randn(6, 5, dtype=torch.float32, requires_grad=True)
+    b = torch.randn(4, 5, dtype=torch.float32)
+    layer_a = SJ.LayerFactor(a, torch.ones(6, 1, dtype=torch.float32), None, "bias")
+    layer_b = SJ.LayerFactor(b, torch.ones(4, 1, dtype=torch.float32), None, "bias")
+    Fa = StructuredJacobian([layer_a], 1, ["bias"], torch.zeros(6, 1))
+    Fb = StructuredJacobian([layer_b], 1, ["bias"], torch.zeros(4, 1))
+    G = Fa.cross_gram(Fb)
+    assert G.dtype == torch.float64
+    # a float64 cotangent with entries far below float32's smallest normal number
+    w = torch.full_like(G, 1e-42)
+    w[0, 0] = 1.0
+    (g,) = torch.autograd.grad((G * w).sum(), a)
+    tiny = torch.finfo(torch.float32).tiny
+    assert not bool(((g != 0) & (g.abs() < tiny)).any())
+    torch.testing.assert_close(g[0], b[0], rtol=0, atol=0)  # the normal part is exact
+    assert bool((g[1:] == 0).all())

@@ -4,8 +4,14 @@
   subspace predictive is ``U_s Lam_s U_s^T`` (the best rank-``s`` approximation of
   exact LLA's joint covariance, from an independent dense oracle), and exact LLA
   itself at ``s`` = rank;
-* ``Tr S_P(X) <= Tr S(X)`` for every projector, the optimal projector maximises it;
+* ``Tr S_P(X) <= Tr S(X)`` for every projector (the paper's predictive,
+  ``residual_correction=False``), the optimal projector maximises it;
 * lowrank-kfac is closer to exact LLA (predictive KL) than subset-diagonal;
+* the default (residual correction): the dense formula
+  ``J P (P^T H P)^-1 P^T J^T + s0^2 J (I - P P^T) J^T`` with ``P`` in the span of the
+  training Jacobians, exact LLA when ``s`` is their rank; the KFAC ridge of the
+  ``"auto"`` prior; the check that turns the residual off when ``span(P)`` misses
+  directions the data determine;
 * KFAC through curvlinops is exact where KFAC is exact (one linear layer);
 * the SWAG run leaves the pretrained weights untouched; float32 vs float64 nets;
   pickling; clear errors; ``SubspaceLaplace`` follows ``likelihood``.
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import warnings
 
 import numpy as np
 import pytest
@@ -23,6 +30,7 @@ from sklearn.base import is_classifier, is_regressor
 from torch import nn
 
 from sklearn_lla import LLAClassifier, LLARegressor
+from sklearn_lla._core.hyper import Evidence
 from sklearn_lla._core.likelihoods import Categorical, Gaussian
 from sklearn_lla._core.protocol import FitData
 from sklearn_lla._network.curvature import KFAC, full_ggn, ggn_diagonal
@@ -125,7 +133,9 @@ def test_trace_criterion_bounded_by_exact_and_optimal_is_best(task, request):
     traces = {}
     for name in PROJECTORS:
         kw = {"subspace_X": Xq} if name == "optimal" else {}
-        est = _make(task, net, projector=name, subspace_dim=s, **kw).fit(data.X, data.y)
+        est = _make(task, net, projector=name, subspace_dim=s, residual_correction=False,
+                    **kw).fit(data.X, data.y)
+        assert not est.residual_correction_
         traces[name] = trace_criterion(est, Xq)
         assert trace_criterion(est.posterior_, Xq) == pytest.approx(traces[name], rel=1e-12)
         assert 0.0 <= traces[name] <= full * (1 + 1e-9), name
@@ -142,7 +152,8 @@ def test_lowrank_kfac_closer_to_exact_than_subset_diagonal(task, request):
     mp, cp = latent_predictive(exact, Xq, joint=task == "regression")
     kl = {}
     for name in ("lowrank-kfac", "subset-diagonal"):
-        est = _make(task, net, projector=name, subspace_dim=8).fit(data.X, data.y)
+        est = _make(task, net, projector=name, subspace_dim=8,
+                    residual_correction=False).fit(data.X, data.y)
         mq, cq = latent_predictive(est, Xq, joint=task == "regression")
         kl[name] = predictive_kl(mp, cp, mq, cq, likelihood=task, noise_variance=S2)
     assert kl["lowrank-kfac"] < kl["subset-diagonal"]
@@ -192,18 +203,143 @@ def test_kfac_trace_and_ggn_diagonal_on_an_mlp(clf_data, clf_net, dense_ref):
                                atol=1e-12)
 
 
-def test_prior_auto_uses_the_kfac_evidence(reg_data, reg_net):
-    est = SubspaceLaplaceRegressor(reg_net, subspace_dim=5, device="cpu", random_state=0).fit(
-        reg_data.X, reg_data.y)
+def test_prior_auto_is_on_the_kfac_ridge(reg_data, reg_net, dense_ref):
+    """Regression default: ``s0^2 = s0_KFAC(s2)``, the KFAC evidence's maximiser at the
+    noise in use, and ``s2`` maximises the residual model's own Laplace evidence (the
+    full-space evidence with the GGN compressed onto ``span(P)``) along that ridge."""
+    X, y = reg_data.X, reg_data.y
+    est = SubspaceLaplaceRegressor(reg_net, device="cpu", random_state=0).fit(X, y)
     assert est.hyper_trace_["prior_variance_source"] == "kfac_evidence"
-    assert est.hyper_strategy_ == "evidence"
-    assert est.prior_variance_ == pytest.approx(
-        est.hyper_trace_["kfac_evidence"]["prior_variance"][-1], rel=0.5)
-    # another strategy: the subspace model's own evidence
-    other = SubspaceLaplaceRegressor(reg_net, subspace_dim=5, hyper_strategy="evidence",
-                                     device="cpu", random_state=0).fit(reg_data.X, reg_data.y)
+    assert est.hyper_strategy_ == "evidence" and est.residual_correction_
+    ref = dense_ref.reference(reg_net.module_, X, y, None, "regression", 1.0, 1.0)
+    lin = LinearizedNet(copy.deepcopy(reg_net.module_).double(), example_input=torch.as_tensor(X))
+    fd = FitData(lin, Gaussian(1.0, 1), X, torch.as_tensor(y.reshape(-1, 1)), batch_size=16)
+    kfac_eig = KFAC(lin, fd).eigvals()
+
+    def kfac_prior(s2):
+        return Evidence().select("auto", s2, eigvals=kfac_eig, theta_sq_norm=ref.theta_sq,
+                                 data_fit=ref.rss, n_obs=ref.N, n_params=ref.P).prior_variance
+
+    s2 = est.noise_variance_
+    assert est.prior_variance_ == pytest.approx(kfac_prior(s2), rel=1e-6)
+    V = est.projector_.numpy()
+    G = np.einsum("nci,ncj->ij", ref.J, ref.J)  # unit-noise GGN
+    inside = np.linalg.eigvalsh(V @ G @ V.T)
+
+    def log_z(v):  # dense: log det over all P directions of (V^T V G V^T V / v + I / s0)
+        s0 = kfac_prior(v)
+        H = V.T @ V @ G @ V.T @ V / v + np.eye(ref.P) / s0
+        return (-0.5 * ref.N * np.log(2 * np.pi * v) - 0.5 * ref.rss / v
+                - 0.5 * ref.theta_sq / s0 - 0.5 * (np.linalg.slogdet(H)[1] + ref.P * np.log(s0)))
+
+    assert est.log_marginal_likelihood_ == pytest.approx(log_z(s2), rel=1e-9)
+    assert log_z(s2) >= max(log_z(s2 * 1.02), log_z(s2 / 1.02))
+    assert np.all(inside >= -1e-9)
+    # another strategy: the subspace model's own evidence for both
+    other = SubspaceLaplaceRegressor(reg_net, hyper_strategy="evidence", device="cpu",
+                                     random_state=0).fit(X, y)
     assert "prior_variance_source" not in other.hyper_trace_
     assert other.hyper_strategy_ == "evidence"
+
+
+# ---------------------------------------------------------------------------------
+# The default predictive: the prior variance outside span(P)
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task", ["regression", "classification"])
+def test_residual_predictive_is_the_dense_formula(task, request, dense_ref):
+    """``J P (P^T H P)^-1 P^T J^T + s0^2 J (I - P P^T) J^T``, blocks and joint, and the
+    residual's excess ``s0^2 tr(G_perp) / (s2 N C)`` on the training rows."""
+    data, net = _case(task, request)
+    Xq = data.X_test[:12]
+    s2 = S2 if task == "regression" else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # s = 6 misses data directions
+        est = _make(task, net, subspace_dim=6, residual_correction=True).fit(data.X, data.y)
+    assert est.residual_correction_ and est.subspace_dim_ == 6
+    ref = dense_ref.reference(net.module_, data.X, data.y, Xq, task, S0, s2)
+    V = est.projector_.numpy()
+    np.testing.assert_allclose(V @ V.T, np.eye(6), atol=1e-12)
+    Sig = V.T @ np.linalg.solve(V @ ref.H @ V.T, V) + S0 * (np.eye(ref.P) - V.T @ V)
+    Jq = ref.J_test.reshape(-1, ref.P)
+    want = Jq @ Sig @ Jq.T
+    _, joint = latent_predictive(est, Xq, joint=True)
+    np.testing.assert_allclose(joint, want, rtol=1e-8, atol=1e-10 * np.abs(want).max())
+    _, blocks = latent_predictive(est, Xq)
+    C = ref.C
+    idx = np.arange(len(Xq))
+    np.testing.assert_allclose(blocks, want.reshape(len(Xq), C, len(Xq), C)[idx, :, idx, :],
+                               rtol=1e-8, atol=1e-10 * np.abs(want).max())
+    G = ref.GGN * (S2 if task == "regression" else 1.0)  # unit noise
+    outside = np.trace(G) - np.trace(V @ G @ V.T)
+    want_excess = S0 * outside / (S2 if task == "regression" else 1.0) / (ref.N * C)
+    assert est.residual_excess_ == pytest.approx(want_excess, rel=1e-8)
+
+
+@pytest.mark.parametrize("task", ["regression", "classification"])
+def test_residual_subspace_at_the_jacobian_rank_is_exact_lla(task, request, dense_ref):
+    """With ``P`` spanning every training Jacobian row, the data determine nothing
+    outside ``span(P)``: the residual-corrected subspace is exact LLA (the null space
+    of the GGN keeps the prior, which is what grows away from the data)."""
+    data, net = _case(task, request)
+    n = len(data.X) if task == "regression" else 25  # N C < P: a null space exists
+    X, y = data.X[:n], data.y[:n]
+    s2 = S2 if task == "regression" else None
+    ref = dense_ref.reference(net.module_, X, y, data.X_test, task, S0, s2)
+    rank = np.linalg.matrix_rank(ref.J.reshape(-1, ref.P))
+    assert rank < ref.P
+    est = _make(task, net, subspace_dim=int(rank)).fit(X, y)
+    assert est.residual_correction_ and est.subspace_dim_ == rank
+    assert est.residual_excess_ == pytest.approx(0.0, abs=1e-9)
+    _, blocks = latent_predictive(est, data.X_test)
+    np.testing.assert_allclose(blocks, ref.S, rtol=1e-7, atol=1e-10 * np.abs(ref.S).max())
+
+
+@pytest.mark.parametrize("name", ["lowrank-kfac", "lowrank-diag"])
+def test_lowrank_directions_lie_in_the_span_of_the_subset_jacobians(name, reg_data, reg_net,
+                                                                    dense_ref):
+    """With the residual correction ``P = J_X'^T U_s``; the paper's ``Psi_approx J^T U_s``
+    leaves that span (which is why the residual needs the former)."""
+    kw = dict(projector=name, subspace_dim=5, n_subset=20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        row = _make("regression", reg_net, residual_correction=True, **kw).fit(
+            reg_data.X, reg_data.y)
+    paper = _make("regression", reg_net, residual_correction=False, **kw).fit(
+        reg_data.X, reg_data.y)
+    idx = row.posterior_.subset_indices
+    np.testing.assert_array_equal(idx, paper.posterior_.subset_indices)
+    _, J = dense_ref.jacobian(reg_net.module_, reg_data.X[idx])
+    Q, _ = np.linalg.qr(J.reshape(len(idx), -1).T)  # orthonormal basis of the row span
+
+    def outside(V):
+        return np.linalg.norm(V - (V @ Q) @ Q.T) / np.linalg.norm(V)
+
+    assert outside(row.projector_.numpy()) < 1e-10
+    assert outside(paper.projector_.numpy()) > 1e-3
+    # the same eigenvectors U_s of M: the same eigenvalues
+    np.testing.assert_allclose(row.projector_eigvals_, paper.projector_eigvals_, rtol=1e-10)
+
+
+def test_residual_is_dropped_when_the_subspace_misses_the_data(reg_data, reg_net):
+    X, y = reg_data.X, reg_data.y
+    with pytest.warns(RuntimeWarning, match="misses directions the training data determine"):
+        est = _make("regression", reg_net, subspace_dim=2).fit(X, y)
+    assert not est.residual_correction_ and est.residual_excess_ > 0.25
+    # the predictive is then the paper's S_P
+    paper = _make("regression", reg_net, subspace_dim=2, residual_correction=False).fit(X, y)
+    np.testing.assert_array_equal(est.projector_eigvals_, paper.projector_eigvals_)
+    # asked for explicitly, it stays on with a warning
+    with pytest.warns(RuntimeWarning, match="std on the data is inflated"):
+        kept = _make("regression", reg_net, subspace_dim=2, residual_correction=True).fit(X, y)
+    assert kept.residual_correction_
+    assert kept.residual_excess_ == pytest.approx(est.residual_excess_, rel=1e-12)
+    # a subspace that holds the data: no warning, nothing added on the training rows
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        full = _make("regression", reg_net).fit(X, y)
+    assert full.residual_correction_ and full.residual_excess_ < 1e-6
 
 
 # ---------------------------------------------------------------------------------
@@ -232,7 +368,7 @@ def test_swag_leaves_pretrained_weights_untouched(task, request, module_guard):
 def test_float32_net_matches_float64(name, reg_data, reg_net):
     m64 = copy.deepcopy(reg_net.module_).double()
     m32 = copy.deepcopy(reg_net.module_).float()
-    kw = dict(projector=name, subspace_dim=6, swag_n_steps=20)
+    kw = dict(projector=name, subspace_dim=6, swag_n_steps=20, residual_correction=False)
     if name == "optimal":
         kw["subspace_X"] = reg_data.X_test
     a = _make("regression", m64, **kw).fit(reg_data.X, reg_data.y)
@@ -242,10 +378,35 @@ def test_float32_net_matches_float64(name, reg_data, reg_net):
     np.testing.assert_allclose(sb, sa, rtol=1e-3, atol=1e-6)
 
 
+@pytest.mark.parametrize("task", ["regression", "classification"])
+@pytest.mark.parametrize("name", ["lowrank-kfac", "lowrank-diag"])
+def test_float32_net_matches_float64_defaults(name, task, request):
+    """The defaults (residual correction, "auto" s and hyperparameters) from a float32
+    net: the residual ``k(x, x) - phi phi^T`` is formed in float64."""
+    data, net = _case(task, request)
+    m64 = copy.deepcopy(net.module_).double()
+    m32 = copy.deepcopy(net.module_).float()
+    cls = SubspaceLaplaceRegressor if task == "regression" else SubspaceLaplaceClassifier
+    a = cls(m64, projector=name, device="cpu", random_state=0).fit(data.X, data.y)
+    b = cls(m32, projector=name, device="cpu", random_state=0).fit(
+        data.X.astype(np.float32), data.y)
+    assert a.residual_correction_ and b.residual_correction_
+    assert b.subspace_dim_ == a.subspace_dim_
+    np.testing.assert_allclose(b.prior_variance_, a.prior_variance_, rtol=1e-3)
+    Xq = np.concatenate([data.X_test, 3 * data.X_test])  # on and off the data
+    if task == "regression":
+        sa = a.predict(Xq, return_std=True)[1]
+        sb = b.predict(Xq.astype(np.float32), return_std=True)[1]
+        np.testing.assert_allclose(sb, sa, rtol=1e-3)
+    else:
+        np.testing.assert_allclose(b.predict_proba(Xq.astype(np.float32)),
+                                   a.predict_proba(Xq), rtol=1e-3, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", ["lowrank-kfac", "subset-swag"])
 def test_pickle_round_trip(name, clf_data, clf_net):
-    est = _make("classification", clf_net, projector=name, subspace_dim=5).fit(
-        clf_data.X, clf_data.y)
+    kw = {"subspace_dim": 5} if name == "subset-swag" else {}  # lowrank-kfac: the defaults
+    est = _make("classification", clf_net, projector=name, **kw).fit(clf_data.X, clf_data.y)
     back = pickle.loads(pickle.dumps(est))
     np.testing.assert_array_equal(est.predict_proba(clf_data.X_test),
                                   back.predict_proba(clf_data.X_test))
@@ -276,19 +437,20 @@ def test_clear_errors(reg_data, reg_net):
         SubspaceLaplaceRegressor(Normed().double(), device="cpu").fit(X, y)
     # the other projectors work, with the subspace evidence for an "auto" prior
     est = SubspaceLaplaceRegressor(Normed().double(), projector="lowrank-diag", subspace_dim=4,
-                                   device="cpu").fit(X, y)
+                                   residual_correction=False, device="cpu").fit(X, y)
     assert "prior_variance_source" not in est.hyper_trace_
 
 
 def test_lowrank_stops_at_the_numerical_rank(reg_data, reg_net):
     with pytest.warns(RuntimeWarning, match="numerically positive"):
         est = _make("regression", reg_net, projector="lowrank-diag", subspace_dim=50,
-                    n_subset=5).fit(reg_data.X, reg_data.y)
+                    n_subset=5, residual_correction=False).fit(reg_data.X, reg_data.y)
     assert est.subspace_dim_ == 5  # n_subset * C rows
 
 
 def test_random_state_draws_the_subset(reg_data, reg_net):
-    a = _make("regression", reg_net, projector="lowrank-kfac", subspace_dim=4, n_subset=10)
+    a = _make("regression", reg_net, projector="lowrank-kfac", n_subset=10,
+              residual_correction=False)
     sa = a.fit(reg_data.X, reg_data.y).posterior_.subset_indices
     sb = a.set_params(random_state=1).fit(reg_data.X, reg_data.y).posterior_.subset_indices
     assert len(sa) == 10 and not np.array_equal(sa, sb)
@@ -301,17 +463,17 @@ def test_random_state_draws_the_subset(reg_data, reg_net):
 
 def test_subspace_laplace_follows_likelihood(reg_data, reg_net, clf_data, clf_net):
     reg = SubspaceLaplace(reg_net, "regression", prior_variance=S0, noise_variance=S2,
-                          subspace_dim=5, device="cpu", random_state=0)
-    clf = SubspaceLaplace(clf_net, "classification", prior_variance=S0, subspace_dim=5,
                           device="cpu", random_state=0)
+    clf = SubspaceLaplace(clf_net, "classification", prior_variance=S0, device="cpu",
+                          random_state=0)
     assert is_regressor(reg) and not is_classifier(reg)
     assert is_classifier(clf) and not is_regressor(clf)
     assert not hasattr(reg, "predict_proba") and hasattr(reg, "sample_y")
     assert hasattr(clf, "predict_proba") and not hasattr(clf, "sample_y")
     reg.fit(reg_data.X, reg_data.y)
     clf.fit(clf_data.X, clf_data.y)
-    want_reg = _make("regression", reg_net, subspace_dim=5).fit(reg_data.X, reg_data.y)
-    want_clf = _make("classification", clf_net, subspace_dim=5).fit(clf_data.X, clf_data.y)
+    want_reg = _make("regression", reg_net).fit(reg_data.X, reg_data.y)
+    want_clf = _make("classification", clf_net).fit(clf_data.X, clf_data.y)
     np.testing.assert_array_equal(reg.predict(reg_data.X_test, return_std=True)[1],
                                   want_reg.predict(reg_data.X_test, return_std=True)[1])
     np.testing.assert_array_equal(clf.predict_proba(clf_data.X_test),

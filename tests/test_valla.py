@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import numpy as np
 import pytest
 import torch
+from sklearn.exceptions import ConvergenceWarning
 from torch import nn
 
 from sklearn_lla import LLARegressor, VaLLAClassifier, VaLLARegressor
 from sklearn_lla._core.likelihoods import Gaussian
 from sklearn_lla._core.protocol import FitData
 from sklearn_lla._network.linearized import LinearizedNet
+from sklearn_lla._posteriors import gp as gp_module
+from sklearn_lla._posteriors import gp_algebra
 from sklearn_lla._posteriors.gp import variational_terms
 from sklearn_lla._posteriors.valla import NTKKernel, VaLLAPosterior
 
@@ -176,7 +180,8 @@ def test_first_step_objective_matches_hand_computation(dense_ref):
     s0, s2 = 0.4, 0.3
     est = VaLLARegressor(module, n_inducing=3, prior_variance=s0, noise_variance=s2,
                          max_iter=1, batch_size=8, learn_inducing=False, early_stopping=False,
-                         device="cpu", random_state=0).fit(X, y)
+                         covariance="full", init="identity", alpha=1.0, device="cpu",
+                         random_state=0).fit(X, y)
     loss = est.hyper_trace_["loss"][0]  # evaluated at the initial state (L = I)
     Z = est.inducing_inputs_
     f, J = dense_ref.jacobian(module, X)
@@ -188,6 +193,194 @@ def test_first_step_objective_matches_hand_computation(dense_ref):
     log_pred = -0.5 * (np.log(2 * np.pi * (v + s2)) + (y - f[:, 0]) ** 2 / (v + s2))
     kl = 0.5 * np.linalg.slogdet(np.eye(3) + Kzz)[1] - 0.5 * np.trace(Kzz @ A)
     assert loss == pytest.approx(-log_pred.mean() + kl / 8, rel=1e-10)
+
+
+# ---------------------------------------------------------------------------------
+# The subspace covariance and the complete KL against dense references
+# ---------------------------------------------------------------------------------
+
+
+def _fixed_posterior(net, X, Z, cz, s0, s2, L, covariance):
+    lin = LinearizedNet(net, example_input=torch.as_tensor(X))
+    kernel = NTKKernel(lin, 1, X.shape[1:], s0)
+    post = VaLLAPosterior(prior_variance=s0, noise_variance=s2, covariance=covariance)
+    return post.freeze(lin, kernel, torch.as_tensor(Z), torch.as_tensor(cz), L)
+
+
+def test_subspace_with_Z_equal_X_is_lla_on_the_span_of_the_training_jacobians(
+        reg_data, reg_net, dense_ref, monkeypatch):
+    """``Qxx - Kxz A Kzx`` with ``Z = X``, ``A = (Kzz + s2 I)^-1``: exact LLA minus the
+    prior variance in the directions no training Jacobian reaches (``I - P_X``)."""
+    monkeypatch.setattr(gp_algebra, "SUBSPACE_JITTER", 0.0)  # Kzz is positive definite here
+    s0, s2 = 0.3, 0.02
+    X, y = reg_data.X, reg_data.y
+    Xq = np.vstack([X[:5], reg_data.X_test, 3.0 * reg_data.X_test[:3]])
+    ref = dense_ref.reference(reg_net.module_, X, y, Xq, "regression", s0, s2)
+    post = _fixed_posterior(reg_net.module_, X, X, np.zeros(len(X), dtype=np.int64), s0, s2,
+                            torch.eye(len(X), dtype=F64) / math.sqrt(s2), "subspace")
+    got = post.predict(torch.as_tensor(Xq)).cov[:, 0, 0].numpy()
+    J, Jq = ref.J[:, 0, :], ref.J_test[:, 0, :]
+    off_span = np.eye(J.shape[1]) - J.T @ np.linalg.solve(J @ J.T, J)
+    want = ref.S[:, 0, 0] - s0 * np.einsum("bp,pq,bq->b", Jq, off_span, Jq)
+    # Kzz = s0 J J^T has condition number ~5e9 here: float64 round-off ~1e-6 relative
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-9 * np.abs(want).max())
+    # at the training inputs (in the span) it is exact LLA
+    np.testing.assert_allclose(got[:5], ref.S[:5, 0, 0], rtol=1e-5)
+    _, joint = post.predict_joint(torch.as_tensor(Xq))
+    np.testing.assert_allclose(np.diag(joint.numpy()), got, rtol=1e-10, atol=1e-14)
+
+
+def test_subspace_covariance_matches_the_dense_formula(reg_data, reg_net, dense_ref):
+    """Any ``Z`` and ``L``: ``Q - Kxz A Kzx`` with the jittered ``Kzz`` of the model."""
+    rng = np.random.default_rng(0)
+    s0, s2 = 0.7, 0.05
+    X, Xq = reg_data.X, reg_data.X_test
+    Z = rng.normal(size=(7, 3))
+    L = np.tril(0.4 * rng.normal(size=(7, 7))) + 2 * np.eye(7)
+    post = _fixed_posterior(reg_net.module_, X, Z, np.zeros(7, dtype=np.int64), s0, s2,
+                            torch.as_tensor(L), "subspace")
+    _, Jz = dense_ref.jacobian(reg_net.module_, Z)
+    _, Jq = dense_ref.jacobian(reg_net.module_, Xq)
+    Jz, Jq = Jz[:, 0], Jq[:, 0]
+    Kzz = s0 * Jz @ Jz.T
+    Kj = Kzz + gp_module.SUBSPACE_JITTER * np.mean(np.diag(Kzz)) * np.eye(7)
+    Kxz = s0 * Jq @ Jz.T
+    A = L @ np.linalg.solve(np.eye(7) + L.T @ Kj @ L, L.T)
+    want = np.einsum("bm,mk,bk->b", Kxz, np.linalg.inv(Kj) - A, Kxz)
+    got = post.predict(torch.as_tensor(Xq)).cov[:, 0, 0].numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("s0, s2", [(0.3, 0.02), (2.0, 0.1)])
+def test_complete_kl_objective_is_the_laplace_evidence_at_Z_equal_X(reg_data, reg_net,
+                                                                     dense_ref, s0, s2):
+    """With ``Z = X``, ``A = (Kzz + s2 I)^-1`` and alpha = 0, ``-N`` times the objective
+    (ELBO with the covariance and mean parts of the KL) is LLA's Laplace evidence."""
+    X, y = reg_data.X, reg_data.y
+    N = len(X)
+    lin = LinearizedNet(reg_net.module_, example_input=torch.as_tensor(X))
+    ref = dense_ref.reference(reg_net.module_, X, y, None, "regression", s0, s2)
+    data = FitData(lin, Gaussian(s2), X, torch.as_tensor(y[:, None]), batch_size=N)
+    post = VaLLAPosterior(prior_variance=s0, noise_variance=s2, covariance="full", alpha=0.0)
+    Z, cz = torch.as_tensor(X), torch.zeros(N, dtype=torch.int64)
+    kernel = post.make_kernel(data, Z, cz)
+    L_raw = torch.eye(N, dtype=F64)
+    post.start(data, kernel, Z, cz, L_raw, None)
+    score = post.monitor(kernel, Z, cz, L_raw, lambda: torch.tensor(s2, dtype=F64))
+    L_raw.copy_(torch.eye(N, dtype=F64) / math.sqrt(s2))
+    assert -N * score() == pytest.approx(ref.evidence, rel=1e-9)
+
+
+def _objective_gradients(post, sub, kernel, Z, cz, L_raw, log_noise):
+    """The monitor's objective (checked against its score) and its gradient norms."""
+    score = post.monitor(kernel, Z, cz, L_raw, lambda: torch.exp(log_noise))
+    with torch.enable_grad():
+        s0 = torch.exp(kernel.log_prior_variance)
+        t = variational_terms(sub["Kj"] * s0, L_raw)
+        cov = gp_module.latent_cov(s0 * sub["prior"], (s0 * sub["Kxz"]) @ t.W.T)
+        e = gp_module.alpha_energy(sub["elik"], sub["mean"], cov, sub["y"], alpha=0.0,
+                                   noise=torch.exp(log_noise))
+        loss = -e.mean() + (t.kl + sub["mean_kl"] / s0) / sub["n_total"]
+        assert float(loss.detach()) == pytest.approx(score(), rel=1e-12)
+        g = torch.autograd.grad(loss, [L_raw, kernel.log_prior_variance, log_noise])
+    return [float(torch.linalg.norm(torch.tril(g[0])))] + [abs(float(v)) for v in g[1:]]
+
+
+@pytest.mark.parametrize("covariance", ["full", "subspace"])
+def test_optimal_start_is_the_optimum(reg_data, reg_net, covariance):
+    """alpha = 0, fixed Z, every row in the start: the objective's gradient w.r.t. ``L``,
+    ``log s0^2`` and ``log s2`` vanishes at the start (relative to the one at L = I)."""
+    X, y = reg_data.X, reg_data.y
+    lin = LinearizedNet(reg_net.module_, example_input=torch.as_tensor(X))
+    data = FitData(lin, Gaussian(1.0), X, torch.as_tensor(y[:, None]), batch_size=len(X))
+    post = VaLLAPosterior(covariance=covariance, alpha=0.0, n_inducing=10)
+    Z0, cz0 = gp_module.init_inducing(data, 10, 0)
+    Z, cz = torch.as_tensor(Z0), torch.as_tensor(cz0)
+    kernel = post.make_kernel(data, Z, cz)
+    log_noise = torch.tensor(math.log(0.1), dtype=F64, requires_grad=True)
+    L_raw = torch.eye(10, dtype=F64, requires_grad=True)
+    post.start(data, kernel, Z, cz, torch.eye(10, dtype=F64), log_noise.detach().clone())
+    g_identity = _objective_gradients(post, post._subset, kernel, Z, cz, L_raw, log_noise)
+    with torch.no_grad():
+        post.start(data, kernel, Z, cz, L_raw, log_noise)
+    g_start = _objective_gradients(post, post._subset, kernel, Z, cz, L_raw, log_noise)
+    for a, b in zip(g_start, g_identity):  # L-BFGS-B's gradient tolerance is 1e-5
+        assert a < 1e-4 * b
+
+
+def test_first_step_subspace_objective_matches_hand_computation(dense_ref):
+    rng = np.random.default_rng(3)
+    module = _mlp(2, (5,), 1, seed=3)
+    X = rng.normal(size=(8, 2))
+    y = rng.normal(size=8)
+    s0, s2 = 0.4, 0.3
+    est = VaLLARegressor(module, n_inducing=3, prior_variance=s0, noise_variance=s2,
+                         max_iter=1, batch_size=8, early_stopping=False, init="identity",
+                         device="cpu", random_state=0).fit(X, y)
+    loss = est.hyper_trace_["loss"][0]  # at L = I, the subspace prior
+    Z = est.inducing_inputs_
+    f, J = dense_ref.jacobian(module, X)
+    _, Jz = dense_ref.jacobian(module, Z)
+    J, Jz = J[:, 0], Jz[:, 0]
+    Kzz = s0 * Jz @ Jz.T
+    Kj = Kzz + gp_module.SUBSPACE_JITTER * np.mean(np.diag(Kzz)) * np.eye(3)
+    Kxz = s0 * J @ Jz.T
+    A = np.linalg.inv(np.eye(3) + Kj)  # L = I
+    v = np.einsum("nm,mk,nk->n", Kxz, np.linalg.inv(Kj) - A, Kxz)
+    # alpha = 0 (the regressor's default): the expected log-likelihood
+    ell = -0.5 * (np.log(2 * np.pi * s2) + ((y - f[:, 0]) ** 2 + v) / s2)
+    kl = 0.5 * np.linalg.slogdet(np.eye(3) + Kj)[1] - 0.5 * np.trace(Kj @ A)
+    theta = dense_ref.flat_params(dense_ref.module(module)).numpy()
+    offset = Jz @ theta  # J_Z theta_hat: the mean term 1/2 offset^T Kzz^-1 offset
+    mean_kl = 0.5 * offset @ np.linalg.solve(Kj, offset)
+    assert loss == pytest.approx(-ell.mean() + (kl + mean_kl) / 8, rel=1e-10)
+    assert est.hyper_trace_["kl_mean"] == pytest.approx(mean_kl, rel=1e-10)
+
+
+@pytest.mark.parametrize("situation", ["b", "c"])
+def test_default_std_grows_in_the_gap(gap_toy, situation):
+    """Issue 19's gap test: the default std mid-gap is >= 3 x the std on the data, with
+    the net trained on every row (b) and with held-out rows (c)."""
+    X, y, net, _ = gap_toy
+    kw = {}
+    if situation == "c":
+        rng = np.random.RandomState(1)
+        Xv = np.concatenate([rng.uniform(-2, -0.7, 20), rng.uniform(0.7, 2, 20)])[:, None]
+        kw["validation_data"] = (Xv, np.sin(2 * Xv[:, 0]) + 0.1 * rng.randn(40))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        est = VaLLARegressor(net, device="cpu", random_state=0).fit(X, y, **kw)
+    _, sd_gap = est.predict(np.zeros((1, 1)), return_std=True)
+    _, sd_data = est.predict(X, return_std=True)
+    assert sd_gap[0] >= 3 * sd_data.mean()
+    assert est.hyper_strategy_ == "variational"
+    assert est.n_iter_ < est.max_iter and est.stopping_scores_[0][0] == 0
+    assert (est.validation_source_ is None) == (situation == "b")
+
+
+def test_defaults_stop_early_without_convergence_warnings():
+    """Default fits on scikit-learn's bundled data (wine, diabetes) stop on the
+    objective well before ``max_iter`` and raise no ConvergenceWarning."""
+    from sklearn.datasets import load_diabetes, load_wine
+    from sklearn.preprocessing import StandardScaler
+
+    for load, Est in [(load_wine, VaLLAClassifier), (load_diabetes, VaLLARegressor)]:
+        X, y = load(return_X_y=True)
+        X = StandardScaler().fit_transform(X)
+        C = 3 if Est is VaLLAClassifier else 1
+        net = _mlp(X.shape[1], (16,), C, seed=1)
+        opt = torch.optim.Adam(net.parameters(), lr=1e-2, weight_decay=1e-4)
+        xt = torch.as_tensor(X)
+        yt = torch.as_tensor(y) if C > 1 else torch.as_tensor((y - y.mean()) / y.std())[:, None]
+        loss = nn.CrossEntropyLoss() if C > 1 else nn.MSELoss()
+        for _ in range(300):
+            opt.zero_grad()
+            loss(net(xt), yt).backward()
+            opt.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ConvergenceWarning)
+            est = Est(net, device="cpu", random_state=0).fit(X, y)
+        assert est.n_iter_ < 1000
 
 
 # ---------------------------------------------------------------------------------
@@ -300,7 +493,7 @@ def test_float32_net_matches_float64_and_predictors_agree(reg_data, reg_net):
     assert a.prior_variance_ == pytest.approx(b.prior_variance_, rel=1e-3)
     # the parameter-space basis predictor equals the structured one
     post = a.posterior_
-    W = variational_terms(post.kernel.gram(post._Z, post._cz), post._L).W
+    W, _, _ = post.predictor_factor()
     basis = post.kernel.predictor(post._Z, post._cz, W, method="basis")
     x = torch.as_tensor(Xq)
     for u, v in zip(post._predict_fn(x), basis(x)):
@@ -311,7 +504,11 @@ def test_classifier_sanity(clf_data, clf_net):
     X, y, Xt = clf_data.X, clf_data.y, clf_data.X_test
     est = VaLLAClassifier(clf_net, n_inducing=12, max_iter=300, learning_rate=1e-2,
                           device="cpu", random_state=0).fit(X, y)
-    assert est.hyper_strategy_ == "variational"
+    # "auto" prior variance of a classifier: the weight-norm rule (docs/valla.md)
+    assert est.hyper_strategy_ == "weight_norm"
+    theta = est.linearized_net_.flat_params()
+    assert est.prior_variance_ == pytest.approx(float(theta @ theta) / theta.numel(),
+                                                rel=1e-12)
     np.testing.assert_array_equal(np.bincount(est.inducing_outputs_), [4, 4, 4])
     assert est.inducing_inputs_.shape == (12, 2)
     p = est.predict_proba(Xt)

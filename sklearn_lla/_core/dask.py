@@ -132,20 +132,6 @@ def validate_X(est, X, *, reset):
     return A
 
 
-def _client():
-    """The active ``distributed.Client`` or ``None`` (dask's default scheduler)."""
-    import sys
-
-    if "distributed" not in sys.modules:
-        return None
-    from distributed import default_client
-
-    try:
-        return default_client()
-    except ValueError:
-        return None
-
-
 def _as_numpy(block, np_dtype, partition, start, stop):
     """A block in the network's dtype, checked finite (the error names the partition)."""
     with np.errstate(over="ignore"):

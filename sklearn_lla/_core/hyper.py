@@ -22,9 +22,16 @@ strategy               criterion
 ``variational``        learned with the variational energy by the optimisation loop
 =====================  =============================================================
 
-Which ``"auto"`` maps to which strategy is decided by each estimator (documented in
-``docs/hyperparameters.md``): GLM methods use ``validation`` when held-out data is
-available and ``evidence`` otherwise.
+What ``"auto"`` means (``docs/hyperparameters.md``): the prior variance always comes
+from the method's own objective (``evidence``, ``weight_norm``, ``em``,
+``variational``), never from held-out rows, because held-out NLL in distribution cannot
+see epistemic uncertainty and is won by deleting the posterior (a prior variance at the
+floor of a grid). Held-out rows, when there are any, calibrate one scalar afterwards
+that keeps the posterior covariance: the regression noise variance
+(:class:`HeldOutNoise` for the GLM methods, where the prior is re-chosen by the
+evidence for every candidate noise; :mod:`sklearn_lla._core.calibration` otherwise) or
+a classification temperature. ``validation`` (the joint grid) runs only when asked for
+by name, and warns, with the next step, when it deletes the posterior.
 """
 
 from __future__ import annotations
@@ -45,7 +52,10 @@ __all__ = [
     "WeightNorm",
     "EM",
     "VariationalEnergy",
+    "HeldOutNoise",
     "glm_log_evidence",
+    "resolve_strategy",
+    "select_from_spectrum",
 ]
 
 
@@ -310,11 +320,18 @@ class ValidationGrid:
         msgs = []
         if prior_variance == "auto" and len(s0) > 1:
             if i == 0:
-                msgs.append("prior_variance is at the lower edge of its grid: the network's "
-                            "own predictive (no posterior variance) scored best on the "
-                            "validation data")
+                msgs.append(
+                    "hyper_strategy='validation' chose the smallest prior_variance of its "
+                    f"grid ({s0[0]:.3g}): the estimator now returns the raw network with a "
+                    "constant noise std and no posterior variance (the validation rows, "
+                    "drawn from the training distribution, cannot reward uncertainty away "
+                    "from the data). Use hyper_strategy='auto' (prior variance from the "
+                    "method's objective, noise / temperature calibrated on the held-out "
+                    "rows), or pass a prior_variance")
             elif i == len(s0) - 1:
-                msgs.append("prior_variance is at the upper edge of its grid")
+                msgs.append(f"hyper_strategy='validation' chose the largest prior_variance of "
+                            f"its grid ({s0[-1]:.3g}); pass a larger prior_variance or use "
+                            "hyper_strategy='auto'")
         if noise_variance == "auto" and len(s2) > 1 and j in (0, len(s2) - 1):
             msgs.append(f"noise_variance is at the {'lower' if j == 0 else 'upper'} edge of "
                         "its grid")
@@ -363,3 +380,204 @@ class VariationalEnergy:
         return HyperResult(float(prior_variance),
                            None if noise_variance is None else float(noise_variance),
                            self.name, dict(history))
+
+
+#: Scales ``c`` of the objective's ``(s0^2, s2)`` that :class:`HeldOutNoise` scores when
+#: the latent variance alone over-explains the held-out residuals (``1e-6 .. 1``).
+SCALE_GRID = np.logspace(-6, 0, 61)
+
+
+class HeldOutNoise:
+    """Regression noise variance by held-out NLL, the prior kept on its objective.
+
+    For every candidate ``s2`` on a log grid around the network's mean squared
+    held-out residual, the prior variance is the one the method's objective picks
+    given that noise (``prior_of(s2)``: the evidence maximiser, or the fixed / weight-
+    norm value), and the candidate ``(prior_of(s2), s2)`` is scored by the held-out
+    NLL of the consistent posterior. The search moves along the evidence ridge, so it
+    can trade noise against epistemic variance but cannot switch the posterior off.
+    A second, finer grid around the best candidate refines it.
+
+    When the best candidate is the smallest noise of the grid, the latent variance
+    alone over-explains the held-out residuals: the objective's prior is too broad for
+    them. With an ``anchor`` (the objective's own joint optimum ``(s0^2, s2)``, given
+    only when the prior is ``"auto"``) the pairs ``(c s0^2, c s2)``, ``c`` in
+    :data:`SCALE_GRID` (``c < 1``), are then scored too: for a Gaussian linear model
+    the posterior at ``(c s0^2, c s2)`` is exactly ``c`` times that at ``(s0^2,
+    s2)``, so the predictive keeps the objective's shape (how much wider it grows off
+    the data) and only its overall scale is fitted. Such a pair cannot switch the
+    posterior off.
+
+    Parameters
+    ----------
+    noise_grid : array-like, default=logspace(-3, 1, 41)
+        Candidates relative to the mean squared held-out residual.
+    """
+
+    name = "held_out_noise"
+
+    def __init__(self, noise_grid=None):
+        self.noise_grid = (np.logspace(-3, 1, 41) if noise_grid is None
+                           else np.asarray(noise_grid, dtype=float))
+
+    def select(self, prior_of, *, score, base_noise, warn=True, anchor=None):
+        """Pick the noise variance with the lowest held-out NLL along ``prior_of``.
+
+        Parameters
+        ----------
+        prior_of : callable
+            ``s2 -> s0^2``, the objective's prior variance given a noise variance.
+        score : callable
+            ``score(s0_array, s2_array) -> ndarray`` of held-out NLL per *pair*.
+        base_noise : float
+            The scale of the grid (mean squared held-out residual of the network).
+        warn : bool, default=True
+            Warn when the optimum sits on an edge of the grid.
+        anchor : tuple of float, optional
+            ``(s0^2, s2)`` of the objective's joint optimum: its rescalings are scored
+            when the ridge's best noise is the grid's smallest (see the class
+            docstring). ``None`` (a fixed prior variance): never.
+
+        Returns
+        -------
+        prior_variance, noise_variance : float
+        trace : dict
+            ``"scale"`` is the chosen ``c`` when a rescaled anchor won, else ``None``.
+        """
+        s2 = base_noise * self.noise_grid
+        s0 = np.array([prior_of(v) for v in s2])
+        sc = np.asarray(score(s0, s2), dtype=np.float64).reshape(-1)
+        sc = np.where(np.isfinite(sc), sc, np.inf)
+        if not np.isfinite(sc).any():
+            raise FloatingPointError("the held-out NLL is not finite for any noise variance")
+        i = int(np.argmin(sc))
+        at_edge = len(s2) > 1 and i in (0, len(s2) - 1)
+        step = np.log(self.noise_grid[1] / self.noise_grid[0]) if len(s2) > 1 else 0.0
+        if not at_edge and step > 0:  # refine between the neighbours
+            fine = s2[i] * np.exp(np.linspace(-step, step, 11))
+            f0 = np.array([prior_of(v) for v in fine])
+            fs = np.asarray(score(f0, fine), dtype=np.float64).reshape(-1)
+            fs = np.where(np.isfinite(fs), fs, np.inf)
+            j = int(np.argmin(fs))
+            if fs[j] < sc[i]:
+                s2 = np.concatenate([s2, fine])
+                s0 = np.concatenate([s0, f0])
+                sc = np.concatenate([sc, fs])
+                i = len(sc) - len(fs) + j
+        scale = None
+        if at_edge and i == 0 and anchor is not None:
+            c = SCALE_GRID
+            a0, a2 = float(anchor[0]), float(anchor[1])
+            cs = np.asarray(score(a0 * c, a2 * c), dtype=np.float64).reshape(-1)
+            cs = np.where(np.isfinite(cs), cs, np.inf)
+            j = int(np.argmin(cs))
+            if cs[j] < sc[i]:
+                scale = float(c[j])
+                if warn and j == 0:
+                    warnings.warn(
+                        f"the held-out rows call for less than {c[0]:g} times the variances "
+                        "the objective chose: they may not come from the training data's "
+                        "distribution, or their targets are not on the scale of y",
+                        HyperparameterWarning, stacklevel=3)
+                s2 = np.concatenate([s2, a2 * c])
+                s0 = np.concatenate([s0, a0 * c])
+                sc = np.concatenate([sc, cs])
+                i = len(sc) - len(cs) + j
+        if at_edge and scale is None and warn:
+            where = "lower" if i == 0 else "upper"
+            msg = (f"the noise variance calibrated on the held-out rows is at the {where} edge "
+                   f"of its grid ({s2[i]:.3g}, {self.noise_grid[0 if i == 0 else -1]:g} x the "
+                   "network's mean squared residual there)")
+            msg += ("; the posterior's latent variance alone over-explains the held-out "
+                    "residuals: pass a smaller prior_variance if the intervals are too wide"
+                    if i == 0 else "; check that the held-out targets are on the scale of y")
+            warnings.warn(msg, HyperparameterWarning, stacklevel=3)
+        trace = {"prior_variance": s0, "noise_variance": s2, "score": sc,
+                 "best_score": float(sc[i]), "mse_held_out": float(base_noise), "scale": scale}
+        return float(s0[i]), float(s2[i]), trace
+
+
+#: The strategies a GLM-type posterior accepts for ``hyper``.
+GLM_STRATEGIES = ("auto", "evidence", "validation", "weight_norm")
+
+
+def resolve_strategy(hyper, *, auto, has_validation, fallback="evidence",
+                     allowed=GLM_STRATEGIES):
+    """The strategy that chooses the ``"auto"`` prior (and, without held-out rows, noise).
+
+    Parameters
+    ----------
+    hyper : str
+        The requested strategy; ``"auto"`` means ``fallback`` (the method's objective).
+    auto : bool
+        Whether any hyperparameter is ``"auto"`` (else ``"fixed"``).
+    has_validation : bool
+        Whether rows the network did not fit are available.
+    fallback : str, default="evidence"
+        The method's objective for ``"auto"``.
+    allowed : tuple of str
+        Accepted values of ``hyper``.
+
+    Returns
+    -------
+    str
+    """
+    if hyper not in allowed:
+        raise ValueError(f"hyper_strategy must be one of {allowed}, got {hyper!r}")
+    if not auto:
+        return "fixed"
+    if hyper == "auto":
+        return fallback
+    if hyper == "validation" and not has_validation:
+        raise ValueError("hyper_strategy='validation' needs rows the network did not fit: "
+                         "pass validation_data=(X_val, y_val) to fit")
+    return hyper
+
+
+def select_from_spectrum(strategy, prior_variance, noise_variance, *, eigvals, theta_sq_norm,
+                         data_fit, n_obs, n_params, n_outside=0, prior_scale=1.0,
+                         score=None, base_prior=None, base_noise=None, grid=None, warn=True):
+    """Run ``strategy`` on a GLM posterior's spectrum: the one dispatch of every GLM method.
+
+    Parameters
+    ----------
+    strategy : {"fixed", "evidence", "weight_norm", "validation"}
+        As returned by :func:`resolve_strategy`.
+    prior_variance, noise_variance : float or "auto"
+        ``noise_variance=None`` for classification.
+    eigvals : ndarray
+        Eigenvalues of the (unit-noise) GGN in the posterior's feature space, whitened
+        by the prior Gram.
+    theta_sq_norm, data_fit, n_obs, n_outside
+        As in :func:`glm_log_evidence`.
+    n_params : int
+        Number of parameters (the weight-norm value ``||theta||^2 / P``).
+    prior_scale : float, default=1.0
+        The prior precision's weight ``n_seen / N`` during early stopping: the
+        evidence is that of the ``n_seen`` rows seen, whose prior variance is
+        ``s0^2 / prior_scale``.
+    score, base_prior, base_noise, grid, warn
+        The ``validation`` strategy's held-out score, grid scales and grid.
+
+    Returns
+    -------
+    HyperResult
+    """
+    if strategy == "fixed":
+        return Fixed().select(prior_variance, noise_variance)
+    if strategy == "weight_norm":
+        return WeightNorm().select(prior_variance, noise_variance, theta_sq_norm=theta_sq_norm,
+                                   n_params=n_params)
+    if strategy == "evidence":
+        fixed_prior = prior_variance != "auto"
+        res = Evidence().select(
+            float(prior_variance) / prior_scale if fixed_prior else "auto", noise_variance,
+            eigvals=eigvals, theta_sq_norm=theta_sq_norm, data_fit=data_fit, n_obs=n_obs,
+            n_params=n_params, n_outside=n_outside)
+        res.prior_variance *= prior_scale
+        return res
+    if strategy == "validation":
+        return (grid or ValidationGrid()).select(prior_variance, noise_variance, score=score,
+                                                 base_prior=base_prior, base_noise=base_noise,
+                                                 warn=warn)
+    raise ValueError(f"unknown hyperparameter strategy {strategy!r}")

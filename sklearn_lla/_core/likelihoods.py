@@ -39,9 +39,12 @@ __all__ = [
     "Gaussian",
     "Categorical",
     "Bernoulli",
+    "latent_draws",
     "LINK_APPROXIMATIONS",
     "point_normals",
     "row_keys",
+    "uses_mc_link",
+    "mc_seed",
 ]
 
 LINK_APPROXIMATIONS = ("probit", "mc", "bridge")
@@ -140,10 +143,28 @@ def _sqrt_psd(cov: torch.Tensor) -> torch.Tensor:
     return L
 
 
-def _latent_draws(mean, cov, eps):
+def latent_draws(mean, cov, eps):
     """``mean + L eps`` for ``eps`` of shape (S, B, C)."""
     L = _sqrt_psd(cov)
     return mean.unsqueeze(0) + torch.einsum("bij,sbj->sbi", L, eps.to(mean))
+
+
+def uses_mc_link(lik):
+    """Whether the likelihood's predictive draws Monte Carlo samples (``link_approx="mc"``)."""
+    return getattr(lik, "link_approx", None) == "mc"
+
+
+def mc_seed(lik, generator):
+    """A seed for a validation pass's Monte Carlo draws, from ``generator``.
+
+    One seed per selection gives every candidate the same draws (common random
+    numbers), on every partition alike; for other links it is 0 and ``generator``
+    is left untouched.
+    """
+    if not uses_mc_link(lik):
+        return 0
+    return int(torch.randint(2**62, (1,), generator=generator))
+
 
 
 def _check_link(link_approx):
@@ -172,10 +193,6 @@ class Likelihood:
         """Output Hessian ``Lam(f) = A A^T`` of shape (B, C, C)."""
         A = self.lam_factor(f)
         return A @ A.transpose(-1, -2)
-
-    def nll(self, mean: torch.Tensor, cov: torch.Tensor, y: torch.Tensor, **kw) -> float:
-        """Mean negative log predictive density (the validation criterion)."""
-        return float(-self.log_predictive(mean, cov, y, **kw).mean())
 
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in self._params().items())
@@ -260,7 +277,17 @@ class Gaussian(Likelihood):
 
 
 class _ClassLikelihood(Likelihood):
-    """Shared parts of the classification likelihoods."""
+    """Shared parts of the classification likelihoods.
+
+    ``temperature`` ``T`` (default 1) tempers the predictive only: :meth:`predict` and
+    :meth:`log_predictive` return the class probabilities of the latent ``f / T``,
+    ``f ~ N(mean, cov)``, i.e. of ``N(mean / T, cov / T^2)`` (temperature scaling, Guo
+    et al. 2017, applied to the whole Laplace predictive, so the ratio of posterior
+    spread to logit scale is kept). The curvature (:meth:`lam_factor`), the log
+    likelihood and the training-time expectations are those of the untempered model:
+    the posterior is the network's, ``T`` is calibrated afterwards on held-out rows
+    (:meth:`sklearn_lla._core.protocol.Posterior.calibrate`).
+    """
 
     task = "classification"
     unit_curvature = False
@@ -269,9 +296,34 @@ class _ClassLikelihood(Likelihood):
         _check_link(link_approx)
         self.link_approx = link_approx
         self.n_samples = int(n_samples)
+        self.temperature = 1.0
 
     def _params(self):
-        return {"link_approx": self.link_approx, "n_samples": self.n_samples}
+        params = {"link_approx": self.link_approx, "n_samples": self.n_samples}
+        if self.temperature != 1.0:
+            params["temperature"] = self.temperature
+        return params
+
+    def with_temperature(self, temperature: float):
+        """A copy whose predictive is tempered by ``temperature`` (> 0)."""
+        if not (np.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
+        import copy
+
+        lik = copy.copy(self)
+        lik.temperature = float(temperature)
+        return lik
+
+    def _tempered(self, mean, cov):
+        T = getattr(self, "temperature", 1.0)  # pickles from before temperatures existed
+        if T == 1.0:
+            return mean, cov
+        return mean / T, cov / (T * T)
+
+    def predict(self, mean, cov, *, eps=None, generator=None):
+        """Class probabilities of shape (B, K) of the (tempered) latent ``N(mean, cov)``."""
+        mean, cov = self._tempered(mean, cov)
+        return self._link(mean, cov, eps=eps, generator=generator)
 
     def log_predictive(self, mean, cov, y, *, eps=None, generator=None):
         """Per-point log predictive probability of the labels ``y`` (ints)."""
@@ -323,19 +375,19 @@ class Categorical(_ClassLikelihood):
     def expected_log_prob(self, mean, cov, y, *, eps=None, generator=None):
         """Monte Carlo ``E log softmax(f)[y]`` (reparameterised, differentiable)."""
         e = self._eps((self.n_samples, *mean.shape), eps, generator, mean)
-        f = _latent_draws(mean, cov, e)
+        f = latent_draws(mean, cov, e)
         lp = torch.log_softmax(f, dim=-1)
         idx = y.long().reshape(1, -1, 1).expand(f.shape[0], -1, 1)
         return lp.gather(-1, idx).squeeze(-1).mean(0)
 
-    def predict(self, mean, cov, *, eps=None, generator=None):
-        """Class probabilities ``E softmax(f)`` of shape (B, C) by ``link_approx``."""
+    def _link(self, mean, cov, *, eps=None, generator=None):
+        """``E softmax(f)`` of shape (B, C) by ``link_approx``."""
         if self.link_approx == "probit":
             return _probit_softmax(mean, cov)
         if self.link_approx == "bridge":
             return _bridge_softmax(mean, cov)
         e = self._eps((self.n_samples, *mean.shape), eps, generator, mean)
-        return torch.softmax(_latent_draws(mean, cov, e), dim=-1).mean(0)
+        return torch.softmax(latent_draws(mean, cov, e), dim=-1).mean(0)
 
 
 #: Gauss-Hermite nodes and weights (probabilists' form) for 1-D expectations.
@@ -383,7 +435,7 @@ class Bernoulli(_ClassLikelihood):
         sign = 2.0 * y.reshape(-1, 1).to(m) - 1.0
         return (torch.nn.functional.logsigmoid(sign * (m + s * x)) * w).sum(-1)
 
-    def predict(self, mean, cov, *, eps=None, generator=None):
+    def _link(self, mean, cov, *, eps=None, generator=None):
         """Probabilities ``[p(y=0), p(y=1)]`` of shape (B, 2) by ``link_approx``."""
         m = mean.reshape(-1)
         v = cov.reshape(-1).clamp_min(0)

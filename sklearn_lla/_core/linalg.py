@@ -7,42 +7,67 @@ import warnings
 import numpy as np
 import torch
 
-__all__ = ["LinAlgWarning", "safe_cholesky", "safe_eigh", "cholesky_inplace", "dense_inverse"]
+__all__ = ["LinAlgWarning", "cholesky", "safe_eigh", "dense_inverse"]
 
 
 class LinAlgWarning(UserWarning):
     """Warning raised when jitter had to be added to make a matrix positive definite."""
 
 
-def safe_cholesky(A: torch.Tensor, name: str = "matrix", max_tries: int = 8) -> torch.Tensor:
-    """Cholesky factor of a symmetric PSD matrix, with escalating diagonal jitter.
+def cholesky(A: torch.Tensor, what: str = "matrix", *, warn: bool = True,
+             inplace: bool = False, max_tries: int = 8) -> torch.Tensor:
+    """Lower Cholesky factor of a symmetric PSD matrix, with escalating diagonal jitter.
 
-    Tries the plain factorisation first, then adds ``jitter * mean(diag(A))`` with
-    jitter 1e-10, 1e-9, ... and warns with :class:`LinAlgWarning` when it had to.
+    The one jittered Cholesky of the package. Tries the plain factorisation of the
+    symmetrised matrix first, then adds ``jitter * mean |diag(A)|`` with jitter 1e-10,
+    1e-9, ... (the scale is a detached constant, so gradients flow through ``A``
+    alone), and raises a :class:`numpy.linalg.LinAlgError` naming ``what`` when even
+    the largest jitter fails (a non-finite or indefinite matrix).
+
+    Parameters
+    ----------
+    A : Tensor of shape (..., n, n)
+        Symmetric positive semi-definite (batched is fine out of place).
+    what : str, default="matrix"
+        The matrix's name in warnings and errors.
+    warn : bool, default=True
+        Warn with :class:`LinAlgWarning` when jitter was needed; ``False`` in
+        optimisation loops, where a step's jitter is routine.
+    inplace : bool, default=False
+        Factorise a contiguous float64 CPU matrix in its own memory (LAPACK ``potrf``,
+        no second ``n x n`` buffer; a failed attempt is undone from the untouched
+        strict upper triangle and the saved diagonal). Elsewhere out of place.
+    max_tries : int, default=8
+        Jitter escalations before giving up.
+
+    Returns
+    -------
+    Tensor
+        ``L`` with ``L L^T = A + jitter``.
     """
+    if inplace and A.device.type == "cpu" and A.dtype == torch.float64 and A.is_contiguous() \
+            and A.ndim == 2:
+        return _cholesky_lapack_inplace(A, what, warn, max_tries)
     A = 0.5 * (A + A.transpose(-1, -2))
     L, info = torch.linalg.cholesky_ex(A)
     if not bool((info != 0).any()):
         return L
-    scale = torch.diagonal(A, dim1=-2, dim2=-1).abs().mean().clamp_min(
-        torch.finfo(A.dtype).tiny
-    )
+    scale = float(torch.diagonal(A.detach(), dim1=-2, dim2=-1).abs().mean().clamp_min(
+        torch.finfo(A.dtype).tiny))
     eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
     jitter = 1e-10
     for _ in range(max_tries):
         L, info = torch.linalg.cholesky_ex(A + (jitter * scale) * eye)
         if not bool((info != 0).any()):
-            warnings.warn(
-                f"{name} was not numerically positive definite; added jitter "
-                f"{jitter:.0e} x mean diagonal to factorise it.",
-                LinAlgWarning,
-                stacklevel=2,
-            )
+            if warn:
+                warnings.warn(f"{what} was not numerically positive definite; added jitter "
+                              f"{jitter:.0e} x mean diagonal to factorise it.", LinAlgWarning,
+                              stacklevel=2)
             return L
         jitter *= 10.0
     raise np.linalg.LinAlgError(
-        f"{name} is not positive definite even with jitter {jitter / 10:.0e} x mean diagonal"
-    )
+        f"{what} is not positive definite even with jitter {jitter / 10:.0e} x its mean "
+        "diagonal; its entries may be non-finite")
 
 
 def safe_eigh(A: torch.Tensor, name: str = "matrix", max_tries: int = 12):
@@ -72,20 +97,14 @@ def safe_eigh(A: torch.Tensor, name: str = "matrix", max_tries: int = 12):
     raise np.linalg.LinAlgError(f"eigendecomposition of {name} failed even with jitter")
 
 
-def cholesky_inplace(B: torch.Tensor, name: str = "matrix", max_tries: int = 8) -> torch.Tensor:
-    """Lower Cholesky factor of a symmetric PD float64 matrix, overwriting ``B``.
-
-    On the CPU, LAPACK's ``potrf`` works in ``B``'s own memory (no second ``n x n``
-    buffer). A failed attempt is undone from the untouched strict upper triangle and
-    the saved diagonal, and retried with escalating jitter (1e-10, x10, times the
-    mean diagonal), with a :class:`LinAlgWarning`. Elsewhere falls back to
-    :func:`safe_cholesky`.
-    """
-    if B.device.type != "cpu" or B.dtype != torch.float64 or not B.is_contiguous():
-        return safe_cholesky(B, name, max_tries)
+def _cholesky_lapack_inplace(B, name, warn, max_tries):
+    """:func:`cholesky` of a contiguous float64 CPU matrix, overwriting ``B``."""
     from scipy.linalg import lapack
 
     arr = B.numpy()
+    if not np.isfinite(arr).all():  # LAPACK's potrf does not reject NaN
+        raise np.linalg.LinAlgError(f"{name} is not positive definite: it has non-finite "
+                                    "entries")
     diag = arr.diagonal().copy()
     scale = max(float(np.abs(diag).mean()), np.finfo(np.float64).tiny)
     jitter = 0.0
@@ -93,10 +112,10 @@ def cholesky_inplace(B: torch.Tensor, name: str = "matrix", max_tries: int = 8) 
         # arr.T is Fortran-ordered: its upper triangle is arr's lower one
         _, info = lapack.dpotrf(arr.T, lower=0, clean=0, overwrite_a=1)
         if info == 0:
-            if jitter:
+            if jitter and warn:
                 warnings.warn(f"{name} was not numerically positive definite; added jitter "
                               f"{jitter:.0e} x mean diagonal to factorise it.", LinAlgWarning,
-                              stacklevel=2)
+                              stacklevel=3)
             return B.tril_()
         if info < 0:  # pragma: no cover - invalid argument
             raise np.linalg.LinAlgError(f"LAPACK potrf failed on {name} (info={info})")
@@ -111,5 +130,5 @@ def cholesky_inplace(B: torch.Tensor, name: str = "matrix", max_tries: int = 8) 
 
 def dense_inverse(H):
     """Inverse of an SPD matrix by Cholesky (float64)."""
-    L = safe_cholesky(H, "posterior precision")
+    L = cholesky(H, "posterior precision")
     return torch.cholesky_inverse(L)

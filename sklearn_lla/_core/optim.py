@@ -3,15 +3,23 @@
 :func:`minimize` runs Adam on a list of tensors with a loss evaluated on minibatches
 drawn by :func:`minibatches`, with
 
-* early stopping on a validation score (lower is better) evaluated every
-  ``validation_freq`` steps, restoring the best state at the end;
+* early stopping on a score (lower is better) checked every ``validation_freq``
+  steps, restoring the best state at the end. The score is either a callable (a
+  held-out NLL) or ``"loss"``: the training objective itself, as the mean minibatch
+  loss over the ``validation_freq`` steps since the previous check (a window average
+  that costs nothing extra and, over many minibatches, estimates the full objective).
+  One tolerance decides what counts as progress for both: a check improves on the
+  best score ``b`` when it is lower by more than ``tol * max(1, |b|)`` (scipy's
+  L-BFGS-B ``ftol`` rule: relative for large scores, absolute below 1, so a score
+  near zero, such as a per-point NLL, is not held to a vanishing relative
+  threshold);
 * an optional learning-rate schedule (``lr_schedule``: constant by default, or a
   cosine / step decay over ``max_iter``, or any ``step -> factor`` callable);
 * a progress bar (tqdm) when ``verbose``;
 * a clear error on a non-finite loss or gradient (naming the step), never a silent
   NaN state;
 * a :class:`~sklearn.exceptions.ConvergenceWarning` when ``max_iter`` ends the run
-  while the validation score (or, without validation, the loss) was still improving.
+  while the monitored score (or, without checks, the loss) was still improving.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import numpy as np
 import torch
 from sklearn.exceptions import ConvergenceWarning
 
-__all__ = ["OptimResult", "lr_factor", "minibatches", "minimize"]
+__all__ = ["OptimResult", "improves", "lr_factor", "minibatches", "minimize"]
 
 #: Named learning-rate schedules of :func:`minimize` (see :func:`lr_factor`).
 LR_SCHEDULES = ("constant", "cosine", "step")
@@ -42,11 +50,15 @@ class OptimResult:
     loss_history : list of float
         Minibatch loss per step.
     validation_history : list of (int, float)
-        ``(step, score)`` at each validation check.
+        ``(step, score)`` at each check (the held-out score, or the window mean of
+        the loss with ``validation="loss"``).
     best_iter : int
         Step of the restored state (the last step without early stopping).
     stopped_early : bool
         Whether early stopping ended the run.
+    monitor : str
+        What the checks scored: ``"validation"`` (a callable), ``"loss"`` (the
+        training objective) or ``"none"``.
     """
 
     n_iter: int = 0
@@ -54,12 +66,13 @@ class OptimResult:
     validation_history: list = field(default_factory=list)
     best_iter: int = 0
     stopped_early: bool = False
+    monitor: str = "none"
 
     def as_dict(self):
         """The history as a plain dict (for ``hyper_trace_``)."""
         return {"n_iter": self.n_iter, "loss": np.asarray(self.loss_history),
                 "validation": list(self.validation_history), "best_iter": self.best_iter,
-                "stopped_early": self.stopped_early}
+                "stopped_early": self.stopped_early, "monitor": self.monitor}
 
 
 def minibatches(data, batch_size: int, generator: torch.Generator) -> Iterator:
@@ -127,10 +140,30 @@ def lr_factor(schedule, step: int, max_iter: int, final_factor: float = 0.01) ->
                      f"got {schedule!r}")
 
 
+def improves(score: float, best: float, tol: float) -> bool:
+    """Whether ``score`` beats ``best`` by more than ``tol * max(1, |best|)``.
+
+    The one tolerance rule of :func:`minimize` (scipy's L-BFGS-B ``ftol`` form). A
+    non-finite ``score`` never improves; anything finite improves on ``inf``.
+
+    Examples
+    --------
+    >>> from sklearn_lla._core.optim import improves
+    >>> improves(0.9, 1.0, 1e-3), improves(0.9995, 1.0, 1e-3), improves(0.5, float("inf"), 0)
+    (True, False, True)
+    """
+    if not math.isfinite(score):
+        return False
+    if not math.isfinite(best):
+        return True
+    return score < best - tol * max(1.0, abs(best))
+
+
 def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: int,
-             lr: float = 1e-3, validation: Callable | None = None, validation_freq: int = 100,
-             early_stopping: bool = True, n_iter_no_change: int = 5, verbose: int = 0,
-             desc: str = "optimising", lr_schedule="constant",
+             lr: float = 1e-3, validation: Callable | str | None = None,
+             validation_freq: int = 100, early_stopping: bool = True,
+             n_iter_no_change: int = 5, tol: float = 0.0, check_start: bool = False,
+             verbose: int = 0, desc: str = "optimising", lr_schedule="constant",
              final_lr_factor: float = 0.01) -> OptimResult:
     """Minimise ``loss_fn(batch)`` over ``params`` with Adam.
 
@@ -146,20 +179,33 @@ def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: in
         Largest number of steps.
     lr : float, default=1e-3
         Adam's learning rate.
-    validation : callable or None, default=None
-        ``validation() -> float`` (lower is better), evaluated without gradients
-        every ``validation_freq`` steps and after the last one.
+    validation : callable, "loss" or None, default=None
+        What is checked every ``validation_freq`` steps and after the last one
+        (lower is better). A callable: ``validation() -> float``, evaluated without
+        gradients (a held-out score). ``"loss"``: the training objective, as the mean
+        minibatch loss over the steps since the previous check. ``None``: no checks,
+        the last state is kept.
     validation_freq : int, default=100
-        Steps between validation checks.
+        Steps between checks.
     early_stopping : bool, default=True
-        Stop after ``n_iter_no_change`` checks without improvement and restore the
-        best state (requires ``validation``).
+        Stop after ``n_iter_no_change`` checks without improvement (requires
+        ``validation``). With checks, the state of the best check is restored at the
+        end in either case.
     n_iter_no_change : int, default=5
         Checks without improvement before stopping.
+    tol : float, default=0.0
+        A check improves on the best score ``b`` only when it is lower by more than
+        ``tol * max(1, |b|)`` (see :func:`improves`); smaller gains count as none and
+        the earlier, equally good state is kept.
+    check_start : bool, default=False
+        Also score the initial state (as step 0) when ``validation`` is a callable, so
+        that a run that only makes things worse restores where it started (useful
+        when the start is already an optimum of a cheaper problem).
     verbose : int, default=0
         ``>= 1`` shows a progress bar.
     desc : str, default="optimising"
-        Label of the progress bar and of error messages.
+        Label of the progress bar and of error and warning messages (a user-facing
+        name such as ``"VaLLARegressor: fitting"``).
     lr_schedule : {"constant", "cosine", "step"} or callable, default="constant"
         Learning rate of step ``t``: ``lr * lr_factor(lr_schedule, t, max_iter,
         final_lr_factor)`` (see :func:`lr_factor`). A decaying schedule lets the
@@ -173,9 +219,15 @@ def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: in
     OptimResult
     """
     lr_factor(lr_schedule, 1, max_iter, final_lr_factor)  # validates the schedule
+    on_loss = isinstance(validation, str)
+    if on_loss and validation != "loss":
+        raise ValueError(f"validation must be a callable, 'loss' or None, got {validation!r}")
+    if tol < 0 or not math.isfinite(tol):
+        raise ValueError(f"tol must be a finite number >= 0, got {tol!r}")
     opt = torch.optim.Adam(params, lr=lr)
-    res = OptimResult()
-    best_score, best_state, bad = np.inf, None, 0
+    res = OptimResult(monitor="none" if validation is None else
+                      "loss" if on_loss else "validation")
+    best_score, best_state, bad, last_check = math.inf, None, 0, 0
     bar = None
     if verbose:
         from tqdm.auto import tqdm
@@ -183,13 +235,15 @@ def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: in
         bar = tqdm(total=max_iter, desc=desc, leave=False)
 
     def check(step):
-        nonlocal best_score, best_state, bad
-        with torch.no_grad():
-            score = float(validation())
+        nonlocal best_score, best_state, bad, last_check
+        if on_loss:
+            score = float(np.mean(res.loss_history[last_check:step]))
+        else:
+            with torch.no_grad():
+                score = float(validation())
+        last_check = step
         res.validation_history.append((step, score))
-        if not np.isfinite(score):
-            bad += 1
-        elif score < best_score:
+        if improves(score, best_score, tol):
             best_score, bad = score, 0
             best_state = [p.detach().clone() for p in params]
             res.best_iter = step
@@ -197,6 +251,8 @@ def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: in
             bad += 1
         return early_stopping and bad >= n_iter_no_change
 
+    if check_start and callable(validation):
+        check(0)
     try:
         for step in range(1, max_iter + 1):
             batch = next(batches)
@@ -230,14 +286,15 @@ def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: in
             bar.close()
     if validation is not None:
         if best_state is None:
-            raise FloatingPointError(f"{desc}: the validation score was never finite")
+            raise FloatingPointError(f"{desc}: the {'loss' if on_loss else 'validation score'}"
+                                     " was never finite at a check")
         with torch.no_grad():
             for p, b in zip(params, best_state):
                 p.copy_(b)
         if not res.stopped_early and res.best_iter == res.n_iter and early_stopping:
-            warnings.warn(f"{desc}: max_iter={max_iter} reached while the validation score "
-                          "was still improving; increase max_iter", ConvergenceWarning,
-                          stacklevel=2)
+            what = "training objective" if on_loss else "monitored score"
+            warnings.warn(f"{desc}: max_iter={max_iter} reached while the {what} was still "
+                          "improving; increase max_iter", ConvergenceWarning, stacklevel=2)
     else:
         res.best_iter = res.n_iter
         h = res.loss_history

@@ -18,14 +18,15 @@ from the :class:`LatentPredictive` that :meth:`Posterior.predict` returns.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-__all__ = ["FitData", "LatentPredictive", "Posterior", "carve_validation", "holdout_rows",
-           "to_batch"]
+__all__ = ["FitData", "LatentPredictive", "Posterior", "holdout_rows",
+           "to_batch", "check_finite_outputs", "validation_residuals"]
 
 #: Rows a minibatch stream (:meth:`FitData.minibatches`) keeps in memory. Up to this
 #: many training rows, every epoch is one global permutation; beyond, the rows are
@@ -48,18 +49,27 @@ def holdout_rows(n: int, fraction: float, generator: torch.Generator):
     return np.sort(perm[n_val:]), np.sort(perm[:n_val])
 
 
-def carve_validation(data, fraction: float):
-    """Hold out rows of ``data`` (in place) for early stopping; returns the hold-out.
+def check_finite_outputs(g: torch.Tensor, where: str) -> None:
+    """Raise a clear error when the network's outputs ``g`` on ``where`` are not finite."""
+    if not bool(torch.isfinite(g).all()):
+        raise ValueError(
+            f"the network produced non-finite outputs (NaN or inf) on {where}; check the "
+            "inputs' scale and the network's weights"
+        )
 
-    ``data.index`` shrinks to the kept rows; the returned :class:`FitData` shares
-    ``X`` and ``y`` and holds the others (drawn from ``data.generator``).
+
+def validation_residuals(lin, batches):
+    """Row sums ``(sum (y - g)^2, number of scalars)`` of the network on ``batches``.
+
+    A row-sum pass for :meth:`FitData.reduce` (per partition on dask input).
     """
-    rows = np.arange(data.n_samples) if data.index is None else data.index
-    tr, val = holdout_rows(data.n_samples, fraction, data.generator)
-    hold = FitData(data.lin, data.likelihood, data.X, data.y, batch_size=data.batch_size,
-                   index=rows[val])
-    data.index = rows[tr]
-    return hold
+    sq, n = 0.0, 0
+    for x, y in batches:
+        g = lin.forward(x).to(torch.float64)
+        check_finite_outputs(g, "validation rows")
+        sq += float(((y - g) ** 2).sum())
+        n += y.numel()
+    return sq, n
 
 
 def to_batch(X, sl, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -306,13 +316,13 @@ class LatentPredictive:
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """``n`` draws per point (independent across points), shape (n, B, C)."""
-        from .likelihoods import _latent_draws
+        from .likelihoods import latent_draws
 
         eps = torch.randn((n, *self.mean.shape), dtype=self.mean.dtype, generator=generator)
-        return _latent_draws(self.mean, self.cov, eps.to(self.mean.device))
+        return latent_draws(self.mean, self.cov, eps.to(self.mean.device))
 
 
-class Posterior:
+class Posterior(abc.ABC):
     """Base class of a method's posterior (pure torch, float64 algebra).
 
     Subclasses implement :meth:`fit` and :meth:`predict`, list the state ``fit`` sets
@@ -325,16 +335,56 @@ class Posterior:
     #: Names of the fitted state set by :meth:`fit`.
     fitted_attributes: tuple[str, ...] = ()
 
+    @abc.abstractmethod
     def fit(self, data: FitData) -> Posterior:  # pragma: no cover - interface
         """Fit on the training stream ``data``; returns ``self``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def predict(self, x: torch.Tensor) -> LatentPredictive:  # pragma: no cover
         """Latent predictive at a batch of inputs ``x`` (network dtype, device)."""
-        raise NotImplementedError
 
     def predict_joint(self, x: torch.Tensor):
         """Mean (B, C) and joint latent covariance (B*C, B*C) at ``x``."""
-        raise NotImplementedError(
-            f"{type(self).__name__} does not provide joint covariances over query points"
-        )
+        raise ValueError(
+            f"{type(self).__name__} does not provide joint covariances over query points "
+            "(return_cov, sample_y)")
+
+    def calibrate(self, validation: FitData, *, noise: bool, temperature: bool,
+                  generator: torch.Generator | None = None) -> None:
+        """Calibrate one scalar on held-out rows, keeping the latent covariance.
+
+        Regression: the noise variance (when ``noise``); classification: a
+        temperature of the latent predictive (when ``temperature``); see
+        :mod:`sklearn_lla._core.calibration`. ``self.likelihood`` is replaced and
+        ``self.hyper_trace["calibration"]`` records the search. Posteriors whose
+        covariance depends on the noise override this with a consistent version.
+
+        Parameters
+        ----------
+        validation : FitData
+            Rows the network did not fit.
+        noise, temperature : bool
+            Which scalar may be calibrated (only ``"auto"`` ones are).
+        generator : torch.Generator, optional
+            Random source of a row subset and of Monte Carlo draws.
+        """
+        from . import calibration as cal
+
+        lik = self.likelihood
+        regression = lik.task == "regression"
+        if not (noise if regression else temperature):
+            return
+        mean, cov, y = cal.held_out_predictive(self, validation, generator=generator)
+        if regression:
+            s2, trace = cal.calibrate_noise(mean, cov, y)
+            self.likelihood = lik.with_noise(s2)
+            if hasattr(self, "noise_variance"):
+                self.noise_variance = s2
+        else:
+            eps = None
+            if getattr(lik, "link_approx", None) == "mc":
+                gen = generator if generator is not None else torch.Generator().manual_seed(0)
+                eps = torch.randn((lik.n_samples, *mean.shape), dtype=mean.dtype, generator=gen)
+            T, trace = cal.calibrate_temperature(lik, mean, cov, y, eps=eps)
+            self.likelihood = lik.with_temperature(T)
+        self.hyper_trace = {**(self.hyper_trace or {}), "calibration": trace}

@@ -1,24 +1,13 @@
-"""Small shared helpers: devices, dtypes, seeding, batching and parameter checks."""
+"""Small shared helpers: devices and seeding."""
 
 from __future__ import annotations
 
 import contextlib
-import numbers
-from collections.abc import Iterator
 
-import numpy as np
 import torch
 from sklearn.utils import check_random_state
 
-__all__ = [
-    "resolve_device",
-    "torch_seed",
-    "seeded",
-    "iter_batches",
-    "check_positive_or_auto",
-    "check_positive_int",
-    "as_tensor",
-]
+__all__ = ["resolve_device", "torch_seed", "generator_seed", "seeded"]
 
 
 def resolve_device(device) -> torch.device:
@@ -50,6 +39,15 @@ def torch_seed(random_state) -> int:
     return int(rng.randint(0, 2**31 - 1))
 
 
+def generator_seed(generator: torch.Generator) -> int:
+    """Draw a seed in ``[0, 2^31 - 1)`` from a :class:`torch.Generator` (advancing it).
+
+    What an estimator passes to its posterior as ``random_state`` (k-means and other
+    numpy-seeded initialisations) from the fit's generator.
+    """
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+
+
 @contextlib.contextmanager
 def seeded(seed: int, device: torch.device | None = None):
     """Run a block with torch's global RNG seeded, restoring the previous state afterwards.
@@ -63,42 +61,5 @@ def seeded(seed: int, device: torch.device | None = None):
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield
-
-
-def iter_batches(n: int, batch_size: int) -> Iterator[slice]:
-    """Yield consecutive slices of ``range(n)`` of length at most ``batch_size``."""
-    batch_size = max(int(batch_size), 1)
-    for start in range(0, n, batch_size):
-        yield slice(start, min(start + batch_size, n))
-
-
-def check_positive_or_auto(value, name: str, allow_auto: bool = True):
-    """Validate a variance-like parameter: a finite float > 0, or ``"auto"``."""
-    if allow_auto and isinstance(value, str) and value == "auto":
-        return value
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        expected = "a float > 0 or 'auto'" if allow_auto else "a float > 0"
-        raise TypeError(f"{name} must be {expected}, got {value!r}")
-    if not np.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite positive number, got {value!r}")
-    return float(value)
-
-
-def check_positive_int(value, name: str, minimum: int = 1) -> int:
-    """Validate an integer parameter ``>= minimum``."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def as_tensor(X, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Convert validated array data to a tensor.
-
-    Always copies from numpy (read-only memmaps cannot back a writable tensor).
-    """
-    arr = np.array(X, copy=True)
-    return torch.as_tensor(arr, dtype=dtype, device=device)
 
 

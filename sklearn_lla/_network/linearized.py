@@ -14,8 +14,8 @@ products every method needs:
 
 The Jacobian is taken with respect to the *linearised* parameters: by default the
 trainable ones (``requires_grad=True`` in the user's module), or an explicit subset
-(``param_names``, e.g. :func:`last_layer_param_names` for last-layer LLA); the other
-parameters are held fixed like buffers.
+(``param_names``, e.g. :func:`~sklearn_lla._network.resolve.last_layer_param_names`
+for last-layer LLA); the other parameters are held fixed like buffers.
 
 The backend is chosen once, at construction, and reported in ``backend`` /
 ``backend_reason``: networks that are chains of ``nn.Linear`` layers and elementwise
@@ -39,9 +39,10 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vjp, vmap
 
 from .structured.chain import StructuredChain
+from .structured.jacobian import StructuredJacobian
 from .structured.trace import share_copy
 
-__all__ = ["LinearizedNet", "last_layer_param_names"]
+__all__ = ["LinearizedNet"]
 
 #: Default memory budget (in tensor elements) of one chunk of Jacobian rows.
 JACOBIAN_CHUNK_ELEMENTS = 2**25
@@ -58,74 +59,6 @@ _F64 = torch.float64
 def _as_input(x, device, dtype) -> Tensor:
     x = torch.as_tensor(x, device=device)
     return x.to(dtype) if x.is_floating_point() else x
-
-
-def last_layer_param_names(module: nn.Module, example_input) -> list[str]:
-    """Find the parameters of the last leaf module with trainable parameters.
-
-    One forward pass on ``example_input`` (in eval mode, under ``torch.no_grad``, on a
-    copy of the module's objects that shares its tensors: ``module`` itself is not
-    touched) records the order in which leaf modules (modules without children)
-    execute; the last one that holds parameters with ``requires_grad=True`` is the
-    network's last layer.
-
-    Parameters
-    ----------
-    module : torch.nn.Module
-        The network.
-    example_input : array-like or Tensor of shape (B, ...)
-        A small input batch.
-
-    Returns
-    -------
-    list of str
-        Its trainable parameters' names, as in ``module.named_parameters()``, e.g.
-        ``["layers.4.weight", "layers.4.bias"]``; pass them as ``param_names`` to
-        :class:`LinearizedNet` for last-layer LLA.
-
-    Raises
-    ------
-    ValueError
-        When no leaf module with trainable parameters runs in the forward pass.
-
-    Examples
-    --------
-    >>> from torch import nn
-    >>> import torch
-    >>> net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
-    >>> last_layer_param_names(net, torch.zeros(4, 3))
-    ['2.weight', '2.bias']
-    """
-    mod = share_copy(module).eval()
-    canonical = {id(p): n for n, p in mod.named_parameters()}
-    dtype = next((p.dtype for p in mod.parameters() if p.is_floating_point()), None)
-    x = torch.as_tensor(example_input)
-    if dtype is not None and x.is_floating_point():
-        x = x.to(dtype)
-    order: list[nn.Module] = []
-    handles = [
-        m.register_forward_hook(lambda m_, i, o: order.append(m_))
-        for m in mod.modules()
-        if next(m.children(), None) is None
-    ]
-    try:
-        with torch.no_grad():
-            mod(x)
-    finally:
-        for h in handles:
-            h.remove()
-    for m in reversed(order):
-        names = [
-            canonical[id(p)]
-            for p in m.parameters(recurse=False)
-            if p.requires_grad and id(p) in canonical
-        ]
-        if names:
-            return names
-    raise ValueError(
-        "no leaf module with trainable parameters ran in the forward pass on example_input: "
-        "cannot find the network's last layer (pass param_names explicitly)"
-    )
 
 
 class LinearizedNet:
@@ -154,7 +87,8 @@ class LinearizedNet:
         linearises every parameter. Ignored when ``param_names`` is given.
     param_names : list of str, optional
         Linearise exactly these parameters (names as in ``module.named_parameters()``),
-        e.g. :func:`last_layer_param_names`; everything else is held fixed.
+        e.g. :func:`~sklearn_lla._network.resolve.last_layer_param_names`; everything
+        else is held fixed.
 
     Attributes
     ----------
@@ -562,8 +496,7 @@ class LinearizedNet:
         x = self._input(x)
         with torch.no_grad():
             if self.chain is not None:
-                F = self.chain.features(self._all_params, self.buffers, x,
-                                        param_names=self.names)
+                F = self.factored_jacobian(x)
                 return F.dense().reshape(x.shape[0], -1, self.n_params)
             return self._jacobian_dense(x)
 
@@ -609,8 +542,73 @@ class LinearizedNet:
             sl = slice(start, min(start + step, X.shape[0]))
             yield sl, self.jacobian(X[sl])
 
-    def _features(self, x, out_idx=None):
-        return self.chain.features(self._all_params, self.buffers, x, out_idx, self.names)
+    def factored_jacobian(self, x: Tensor, out_idx: Tensor | None = None, *,
+                          differentiable: bool = False) -> StructuredJacobian:
+        """Factor the Jacobian rows at ``x`` without forming them (structured backend).
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, ...)
+            Input batch; floating inputs are cast to :attr:`dtype`.
+        out_idx : LongTensor of shape (B,), optional
+            ``None``: all ``C`` outputs, rows ``b * C + c``; else the gradient of
+            output ``out_idx[b]`` only, one row per point.
+        differentiable : bool, default=False
+            Keep the autograd graph from ``x`` to the factors (second derivatives of
+            the network), so that kernels built from them (e.g.
+            :meth:`StructuredJacobian.cross_gram`) differentiate w.r.t. ``x``.
+
+        Returns
+        -------
+        StructuredJacobian
+            Per-layer factors in the network's dtype, columns :attr:`names`.
+
+        Raises
+        ------
+        RuntimeError
+            When the network is not a structured chain (``backend != "structured"``).
+        """
+        if self.chain is None:
+            raise RuntimeError(f"factored Jacobians need the structured backend; this "
+                               f"network uses {self.backend!r} ({self.backend_reason})")
+        with torch.set_grad_enabled(differentiable and torch.is_grad_enabled()):
+            return self.chain.features(self._all_params, self.buffers, self._input(x),
+                                       out_idx, self.names, differentiable=differentiable)
+
+    def jacobian_rows(self, x: Tensor, out_idx: Tensor, *,
+                      differentiable: bool = False) -> Tensor:
+        """Compute one Jacobian row per point, ``grad_theta g_{out_idx[b]}(x_b)``.
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, ...)
+            Input batch; floating inputs are cast to :attr:`dtype`.
+        out_idx : LongTensor of shape (B,)
+            The output differentiated at each point.
+        differentiable : bool, default=False
+            Keep the autograd graph from ``x`` to the rows (second derivatives of the
+            network), e.g. to learn inducing inputs through a kernel of the rows.
+
+        Returns
+        -------
+        Tensor of shape (B, P)
+            Columns in :attr:`names` order, in the network's dtype.
+        """
+        x = self._input(x)
+        out_idx = torch.as_tensor(out_idx, device=x.device).long().reshape(-1)
+        if out_idx.shape[0] != x.shape[0]:
+            raise ValueError(f"out_idx must have shape ({x.shape[0]},), "
+                             f"got {tuple(out_idx.shape)}")
+        if self.chain is not None:
+            return self.factored_jacobian(x, out_idx, differentiable=differentiable).dense()
+        onehot = torch.nn.functional.one_hot(out_idx, self.n_outputs(x)).to(self.dtype)
+
+        def out(p, xi, oi):
+            return (self._g(p, xi.unsqueeze(0))[0] * oi).sum()
+
+        with torch.set_grad_enabled(differentiable and torch.is_grad_enabled()):
+            jac = vmap(jacrev(out), in_dims=(None, 0, 0))(self.params, x, onehot)
+        return torch.cat([jac[n].reshape(x.shape[0], -1) for n in self.names], dim=1)
 
     def ntk(self, x1: Tensor, x2: Tensor | None = None,
             out1: Tensor | None = None, out2: Tensor | None = None) -> Tensor:
@@ -635,18 +633,17 @@ class LinearizedNet:
         x1, x2 = self._input(x1), self._input(x2)
         if self.chain is not None:
             with torch.no_grad():
-                F1 = self._features(x1, out1)
-                F2 = F1 if same else self._features(x2, out2)
+                F1 = self.factored_jacobian(x1, out1)
+                F2 = F1 if same else self.factored_jacobian(x2, out2)
                 return F1.gram(F2)
-        R1 = self._rows(x1, out1)
-        R2 = R1 if same else self._rows(x2, out2)
+        R1 = self._generic_rows(x1, out1)
+        R2 = R1 if same else self._generic_rows(x2, out2)
         return R1 @ R2.T
 
-    def _rows(self, x, out_idx):
-        J = self.jacobian(x).to(_F64)
+    def _generic_rows(self, x, out_idx):
         if out_idx is None:
-            return J.reshape(-1, J.shape[-1])
-        return J[torch.arange(J.shape[0], device=J.device), out_idx]
+            return self.jacobian(x).to(_F64).reshape(-1, self.n_params)
+        return self.jacobian_rows(x, out_idx).to(_F64)
 
     def gradient_rows_vjp(self, x: Tensor, out_idx: Tensor, U: Tensor) -> dict:
         """Compute ``R^T U`` where ``R`` holds the rows ``grad g_{out_idx[m]}(x_m)``.
@@ -669,7 +666,7 @@ class LinearizedNet:
         U = U.to(self.dtype)
         if self.chain is not None:
             with torch.no_grad():
-                return self._features(x, out_idx).vjp(U)
+                return self.factored_jacobian(x, out_idx).vjp(U)
         C = self.n_outputs(x)
         onehot = torch.nn.functional.one_hot(out_idx, C).to(self.dtype)  # (M, C)
         cot = U.T[:, :, None] * onehot[None]  # (K, M, C)
@@ -745,7 +742,7 @@ class LinearizedNet:
         x = self._input(x)
         if self.chain is not None:
             with torch.no_grad():
-                return self._features(x).diag_blocks()
+                return self.factored_jacobian(x).diag_blocks()
         out = []
         for _, J in self.jacobian_chunks(x, self.n_outputs(x)):
             J = J.to(_F64)

@@ -13,9 +13,12 @@ The GGN posterior is formed explicitly in float64, either
   laplace-torch's default structure): the GLM posterior of the network linearised
   in its last layer's parameters, the other weights held fixed.
 
-Hyperparameters (``"auto"``): the validation NLL when validation data is available
-(``fit(..., validation_data=...)``, or rows held out from training a default net),
-otherwise the closed-form Laplace evidence (:mod:`sklearn_lla._core.hyper`).
+Hyperparameters (``"auto"``): the prior variance by the closed-form Laplace evidence
+(the weight norm for full-network classification), the noise variance by the evidence
+too, or, when there are rows the network did not fit, calibrated on them along the
+evidence ridge (:class:`~sklearn_lla._core.hyper.HeldOutNoise`); classifiers get a
+temperature calibrated on such rows (:mod:`sklearn_lla._core.hyper`,
+``docs/hyperparameters.md``).
 """
 
 
@@ -26,16 +29,22 @@ import math
 import numpy as np
 import torch
 
-from .._core.hyper import Evidence, Fixed, ValidationGrid, WeightNorm
-from .._core.linalg import cholesky_inplace, safe_eigh
-from .._core.protocol import LatentPredictive, Posterior
-from .glm import _check_finite_outputs
+from .._core.hyper import (
+    HeldOutNoise,
+    HyperparameterWarning,
+    resolve_strategy,
+    select_from_spectrum,
+)
+from .._core.linalg import cholesky, safe_eigh
+from .._core.protocol import LatentPredictive, Posterior, check_finite_outputs
 
 __all__ = ["FunctionSpacePosterior", "MAX_EXACT_DIM"]
 
-#: Largest ``min(P, N*C)`` the exact estimators accept (a dense float64 matrix that
-#: size takes 3.2 GB; its decomposition dominates the run time).
-MAX_EXACT_DIM = 20_000
+#: Largest ``min(P, N*C)`` the exact estimators accept. A dense float64 matrix that
+#: size takes 0.8 GB (the function-space form needs two: 1.6 GB) and its
+#: eigendecomposition about 10^13 flops (minutes on 2 cores); at 20,000 a Year-shaped
+#: fit needed more than 6 GB and did not finish in 10 minutes (benchmarks/budgets.py).
+MAX_EXACT_DIM = 10_000
 
 
 def _choose_space(space, n_params, n_rows):
@@ -89,8 +98,8 @@ class FunctionSpacePosterior(Posterior):
         N, C = data.n_samples, data.n_outputs
         self.X_, y = data.rows(slice(0, N))
         f = torch.cat([lin.forward(x).double() for x, _ in data.batches()])
-        _check_finite_outputs(f, "training rows")
-        self.lin = lin
+        check_finite_outputs(f, "training rows")
+        self.lin, self._lik0 = lin, lik
         regression = lik.task == "regression"
         if regression:
             self._A = None
@@ -102,56 +111,104 @@ class FunctionSpacePosterior(Posterior):
         if self._A is not None:
             self._sandwich_(W, self._A)
         theta = lin.flat_params().double()
-        theta_sq = float(theta @ theta)
-        strategy = self.hyper
-        auto = self.prior_variance == "auto" or self.noise_variance == "auto"
-        if not auto:
-            strategy = "fixed"
-        elif strategy == "auto":
-            strategy = "validation" if data.validation is not None else self.fallback
-        if strategy == "validation" and data.validation is None:
-            raise ValueError("hyper_strategy='validation' needs held-out data: pass "
-                             "validation_data to fit")
-        s2 = self.noise_variance if regression else None
-        self._Q = None
-        if strategy == "fixed":
-            res = Fixed().select(self.prior_variance, s2)
-            e = None
-        elif strategy == "weight_norm":
-            res = WeightNorm().select(self.prior_variance, s2, theta_sq_norm=theta_sq,
-                                      n_params=lin.n_params)
-            e = None
-        elif strategy == "evidence":
-            e = torch.linalg.eigvalsh(W).clamp_min(0)  # a transient copy of W
-            res = Evidence().select(self.prior_variance, s2, eigvals=e.cpu().numpy(),
-                                    theta_sq_norm=theta_sq, data_fit=fit_stat, n_obs=N * C,
-                                    n_params=lin.n_params)
-        else:
+        self._auto_prior = self.prior_variance == "auto"
+        auto = self._auto_prior or (regression and self.noise_variance == "auto")
+        strategy = resolve_strategy(self.hyper, auto=auto,
+                                    has_validation=data.validation is not None,
+                                    fallback=self.fallback)
+        self._strategy = strategy
+        # the spectrum, when a strategy or the noise calibration on held-out rows needs it
+        profile = data.validation is not None and regression and self.noise_variance == "auto"
+        self._Q, e = None, None
+        if strategy == "validation" or profile:
             e, self._Q = safe_eigh(W, "function-space GGN")
             e = e.clamp_min(0)
             del W
-            res = self._validate(data, e, fit_stat)
-        self.prior_variance = res.prior_variance
-        self.noise_variance = res.noise_variance
-        self.likelihood = lik.with_noise(res.noise_variance) if regression else lik
+        elif strategy == "evidence":
+            e = torch.linalg.eigvalsh(W).clamp_min(0)  # a transient copy of W
+        self._kw = dict(eigvals=None if e is None else e.cpu().numpy(),
+                        theta_sq_norm=float(theta @ theta), data_fit=fit_stat, n_obs=N * C,
+                        n_params=lin.n_params)
+        self._fit_stat, self._n_obs, self._e = fit_stat, N * C, e
+        s2 = self.noise_variance if regression else None
+        if strategy == "validation":
+            res = self._validate(data, e, s2)
+        else:
+            res = select_from_spectrum(strategy, self.prior_variance, s2, **self._kw)
         self.hyper_strategy, self.hyper_trace = res.strategy, res.trace
-        s0, s2v = self.prior_variance, (res.noise_variance if regression else 1.0)
-        self._s2 = s2v
         if self._Q is not None:
-            self._dq = 1.0 / (1.0 + (s0 / s2v) * e)
-            logdet = float(torch.log1p((s0 / s2v) * e).sum())
+            self._set_hyperparameters(res.prior_variance, res.noise_variance)
         else:  # B = I + (s0 / s2) W, factorised in place
+            self._set_hyperparameters(res.prior_variance, res.noise_variance, W=W)
+        return self
+
+    def _set_hyperparameters(self, s0, s2, W=None):
+        """Fix ``(s0^2, s2)``: the factor of ``I + (s0 / s2) A^T K A`` and the evidence."""
+        regression = self._lik0.task == "regression"
+        self.prior_variance = float(s0)
+        self.noise_variance = s2
+        self.likelihood = self._lik0.with_noise(s2) if regression else self._lik0
+        s2v = s2 if regression else 1.0
+        self._s2 = s2v
+        if W is None:
+            self._dq = 1.0 / (1.0 + (s0 / s2v) * self._e)
+            logdet = float(torch.log1p((s0 / s2v) * self._e).sum())
+        else:
             W.mul_(s0 / s2v)
             W.diagonal().add_(1.0)
-            self._L = cholesky_inplace(W, "function-space system matrix")
+            self._L = cholesky(W, "function-space system matrix", inplace=True)
             logdet = 2.0 * float(torch.log(torch.diagonal(self._L)).sum())
         if regression:
-            fit_term = -0.5 * N * C * math.log(2 * math.pi * s2v) - 0.5 * fit_stat / s2v
+            fit_term = (-0.5 * self._n_obs * math.log(2 * math.pi * s2v)
+                        - 0.5 * self._fit_stat / s2v)
         else:
-            fit_term = fit_stat
+            fit_term = self._fit_stat
         # log Z = log p(y | theta) - |theta|^2 / (2 s0^2) - 1/2 log det(I + s0^2 A^T K A)
-        self.log_evidence = fit_term - 0.5 * theta_sq / s0 - 0.5 * logdet
-        return self
+        self.log_evidence = fit_term - 0.5 * self._kw["theta_sq_norm"] / s0 - 0.5 * logdet
+
+    def calibrate(self, validation, *, noise, temperature, generator=None):
+        """Calibrate on held-out rows; regression: the noise along the evidence ridge.
+
+        As :meth:`sklearn_lla._posteriors.glm.GLMPosterior.calibrate`: every candidate
+        noise variance is paired with the prior variance the objective picks for it.
+
+        Parameters
+        ----------
+        validation : FitData
+            Rows the network did not fit.
+        noise, temperature : bool
+            Which scalar may be calibrated.
+        generator : torch.Generator, optional
+            Random source (temperature calibration).
+        """
+        if self._lik0.task != "regression":
+            return super().calibrate(validation, noise=noise, temperature=temperature,
+                                     generator=generator)
+        if not noise:
+            return None
+        import warnings
+
+        stats = self._held_out_stats(validation)
+        base_noise = max(sum(float(((y - g) ** 2).sum()) for g, _, _, y in stats)
+                         / sum(y.numel() for *_, y in stats), 1e-12)
+
+        def prior_of(s2, quiet=True):
+            if not self._auto_prior:
+                return self.prior_variance
+            with warnings.catch_warnings():
+                if quiet:
+                    warnings.simplefilter("ignore", HyperparameterWarning)
+                return select_from_spectrum(self._strategy, "auto", float(s2),
+                                            **self._kw).prior_variance
+
+        s0, s2, trace = HeldOutNoise().select(
+            prior_of, score=lambda s0s, s2s: self._score_pairs(stats, s0s, s2s),
+            base_noise=base_noise,
+            anchor=(self.prior_variance, self.noise_variance) if self._auto_prior else None)
+        self._set_hyperparameters(prior_of(s2, quiet=False) if trace["scale"] is None else s0,
+                                  s2)
+        self.hyper_trace = {**(self.hyper_trace or {}), "calibration": trace}
+        return None
 
     def _AtK(self, kXx):
         """``blockdiag(A)^T k(X, x)`` (unit-noise A = I for regression)."""
@@ -166,16 +223,37 @@ class FunctionSpacePosterior(Posterior):
             return (self._Q.T @ AtK) * self._dq.sqrt()[:, None]
         return torch.linalg.solve_triangular(self._L, AtK, upper=False)
 
-    def _validate(self, data, e, fit_stat):
+    def _held_out_stats(self, validation):
+        """Per batch: the outputs, NTK blocks and reduced cross kernel on held-out rows."""
         stats = []
-        C = data.n_outputs
-        for x, y in data.validation.batches():
+        C = validation.n_outputs
+        for x, y in validation.batches():
             g = self.lin.forward(x).double()
             kxx = self.lin.ntk_diag_blocks(x).double()
             Z = self._Q.T @ self._AtK(self.lin.kernel(self.X_, x, n_outputs=C))
             stats.append((g, kxx, Z.reshape(len(Z), len(x), C), y))
-        lik = data.likelihood
-        regression = lik.task == "regression"
+        return stats
+
+    def _score_pairs(self, stats, s0s, s2s):
+        """Mean held-out NLL of each ``(s0s[k], s2s[k])`` pair (``s2`` NaN: classification)."""
+        lik = self._lik0
+        out = np.zeros(len(s0s))
+        n = 0
+        for g, kxx, Z, y in stats:
+            n += len(g)
+            for k, (s0, s2) in enumerate(zip(s0s, s2s)):
+                s2v = 1.0 if np.isnan(s2) else s2
+                w = 1.0 / (1.0 + (s0 / s2v) * self._e)
+                red = torch.einsum("kbc,k,kbd->bcd", Z, w, Z)
+                cov = s0 * kxx - (s0 * s0 / s2v) * red
+                lk = lik if np.isnan(s2) else lik.with_noise(s2)
+                out[k] -= float(lk.log_predictive(g, cov, y).sum())
+        return out / max(n, 1)
+
+    def _validate(self, data, e, s2):
+        """The ``validation`` strategy (asked for by name): the joint held-out grid."""
+        stats = self._held_out_stats(data.validation)
+        regression = s2 is not None
         base_noise = None
         if regression:
             base_noise = max(sum(float(((y - g) ** 2).sum()) for g, _, _, y in stats)
@@ -183,24 +261,11 @@ class FunctionSpacePosterior(Posterior):
         base_prior = max(float(self.lin.flat_params().double().pow(2).mean()), 1e-12)
 
         def score(s0s, s2s):
-            out = np.zeros((len(s0s), len(s2s)))
-            n = 0
-            for g, kxx, Z, y in stats:
-                n += len(g)
-                for i, s0 in enumerate(s0s):
-                    for j, s2 in enumerate(s2s):
-                        s2v = 1.0 if np.isnan(s2) else s2
-                        w = 1.0 / (1.0 + (s0 / s2v) * e)
-                        red = torch.einsum("kbc,k,kbd->bcd", Z, w, Z)
-                        cov = s0 * kxx - (s0 * s0 / s2v) * red
-                        lk = lik if np.isnan(s2) else lik.with_noise(s2)
-                        out[i, j] -= float(lk.log_predictive(g, cov, y).sum())
-            return out / max(n, 1)
+            a, b = np.meshgrid(np.asarray(s0s, float), np.asarray(s2s, float), indexing="ij")
+            return self._score_pairs(stats, a.ravel(), b.ravel()).reshape(a.shape)
 
-        return ValidationGrid().select(self.prior_variance,
-                                       self.noise_variance if regression else None,
-                                       score=score, base_prior=base_prior,
-                                       base_noise=base_noise)
+        return select_from_spectrum("validation", self.prior_variance, s2, score=score,
+                                    base_prior=base_prior, base_noise=base_noise, **self._kw)
 
     def predict(self, x):
         """Latent predictive at a batch ``x``."""

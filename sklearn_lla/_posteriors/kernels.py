@@ -1,212 +1,109 @@
-"""The FMGP kernels (public through :mod:`sklearn_lla.kernels`): RBF and the
-classification kernel over (input, output index) pairs, in float64.
+"""The FMGP kernels, public through :mod:`sklearn_lla.kernels`.
+
+Covariances over (input, output index) pairs, ``K((x, c), (x', c'))``, evaluated in
+float64 with trainable hyperparameters (torch tensors), on the engine's interface
+:class:`sklearn_lla._posteriors.gp.Kernel` (one class, re-exported as
+:class:`sklearn_lla.kernels.Kernel`):
+
+* :class:`RBF`: ``a exp(-r^2 / 2) [c = c']`` with ARD length scales (regression);
+* :class:`ClassificationKernel`: ``a B_cc' RBF(x, x') (psi(x)^T psi(x') / s + [c = c'])``,
+  the authors' code form (classification; ``docs/fmgp.md`` derives it);
+* :func:`median_heuristic`, the initial length scales.
 """
 
 from __future__ import annotations
 
-import abc
 import math
 
 import numpy as np
 import torch
 
 from .._network.penultimate import PenultimateFeatures
-from .gp import Kernel as _GPKernel
-from .kernel_helpers import _positive, _ScaledDistance, median_heuristic
+from .gp import Kernel
 
 __all__ = ["ClassificationKernel", "Kernel", "PenultimateFeatures", "RBF", "median_heuristic"]
 
 _F64 = torch.float64
 
+#: Rows read (at most) for the median heuristic and the feature scale.
+HEURISTIC_ROWS = 1000
 
-class Kernel(_GPKernel):
-    """Base class of FMGP kernels: ``K((x, c), (x', c'))`` in float64.
 
-    Subclasses implement :meth:`gram`, :meth:`cross`, :meth:`diag_blocks`, list their
-    trainable tensors in :meth:`parameters` and report their amplitude as
-    :attr:`prior_variance`. :meth:`initialize` (optional) is called once at the start
-    of ``fit`` on a deep copy of the kernel the user passed, with a sample of the
-    training data: it builds the hyperparameter tensors (and may use the data for
-    their initial values). Every method must be free of side effects on shared state
-    once fitting is done (predictions run from several threads).
+def median_heuristic(X):
+    """Length scales by the median heuristic on standardised inputs.
+
+    With ``s_d`` the standard deviation of feature ``d`` (1 for a constant feature)
+    and ``u = x / s`` the standardised inputs, ``l0 = sqrt(median ||u_i - u_j||^2 / 2)``
+    over the pairs of *distinct* rows (1 when all rows coincide), and the ARD length
+    scales are ``l_d = l0 s_d``: the heuristic in standardised units, mapped back to
+    the raw inputs. Never zero, never NaN.
+
+    Parameters
+    ----------
+    X : array-like of shape (n, n_features)
+        A sample of the inputs (at most :data:`HEURISTIC_ROWS` rows are used).
+
+    Returns
+    -------
+    ndarray of shape (n_features,)
+        Positive length scales.
 
     Examples
     --------
-    A fixed (untrained) linear kernel on one output:
+    >>> import numpy as np
+    >>> from sklearn_lla.kernels import median_heuristic
+    >>> X = np.array([[0.0, 5.0], [1.0, 5.0], [3.0, 5.0]])
+    >>> median_heuristic(X).round(4)
+    array([1.4142, 1.1339])
+    """
+    X = np.asarray(X, dtype=np.float64)
+    if X.ndim != 2:
+        X = X.reshape(len(X), -1)
+    X = X[:HEURISTIC_ROWS]
+    if len(X) < 2:
+        return np.ones(X.shape[1])
+    sd = X.std(axis=0)
+    sd = np.where(sd > 0, sd, 1.0)
+    U = (X - X.mean(axis=0)) / sd
+    sq = (U * U).sum(1)
+    d2 = sq[:, None] + sq[None, :] - 2.0 * U @ U.T
+    iu = np.triu_indices(len(U), k=1)
+    d2 = d2[iu]
+    # distinct pairs only; the Gram formula leaves ~1e-15 on duplicates
+    d2 = d2[d2 > 1e-12 * max(1.0, float(sq.max(initial=0.0)))]
+    l0 = math.sqrt(float(np.median(d2)) / 2.0) if len(d2) else 1.0
+    return l0 * sd
 
-    >>> import torch
-    >>> from sklearn_lla.kernels import Kernel
-    >>> class Linear(Kernel):
-    ...     @property
-    ...     def prior_variance(self):
-    ...         return 1.0
-    ...     def gram(self, z, cz):
-    ...         return z.double() @ z.double().T
-    ...     def cross(self, x, z, cz):
-    ...         return (x.double() @ z.double().T)[:, None, :]
-    ...     def diag_blocks(self, x):
-    ...         return (x.double() ** 2).sum(-1).reshape(-1, 1, 1)
-    >>> k = Linear()
-    >>> k.cross(torch.ones(2, 3), torch.ones(4, 3), torch.zeros(4, dtype=torch.long)).shape
-    torch.Size([2, 1, 4])
+
+def _positive(value, name, shape=None):
+    arr = np.asarray(value, dtype=np.float64)
+    if not np.all(np.isfinite(arr)) or np.any(arr <= 0):
+        raise ValueError(f"{name} must be positive and finite, got {value!r}")
+    if shape is not None and arr.ndim == 1 and arr.shape != shape:
+        raise ValueError(f"{name} has {arr.shape[0]} entries but the inputs have "
+                         f"{shape[0]} features")
+    return arr
+
+
+class _ScaledDistance:
+    """Squared ARD distances ``sum_d (x_d - z_d)^2 / l_d^2`` (float64).
+
+    Inputs are centred at the training mean first (distances are unchanged; the
+    Gram-matrix formula loses less to cancellation), then divided by the length
+    scales.
     """
 
-    def initialize(self, X, y, *, n_outputs, task, net):
-        """Build the hyperparameters from a sample of the training data (optional hook).
+    def __init__(self, log_ls, center):
+        self.log_ls = log_ls
+        self.center = center
 
-        Parameters
-        ----------
-        X : Tensor of shape (n, n_features)
-            A sample of the training inputs (float64, on the fitting device).
-        y : Tensor
-            Their targets: (n, n_outputs) float64 for regression, (n,) int64 labels
-            for classification.
-        n_outputs : int
-            ``C``, the number of network outputs.
-        task : {"regression", "classification"}
-            The task.
-        net : LinearizedNet
-            The frozen network (for kernels that use its features).
+    def scale(self, x):
+        return (x.to(_F64).reshape(len(x), -1) - self.center) * torch.exp(-self.log_ls)
 
-        Returns
-        -------
-        self : Kernel
-            The initialised kernel.
-        """
-        return self
-
-    def parameters(self):
-        """Return the trainable leaf tensors (``requires_grad=True``).
-
-        Returns
-        -------
-        list of Tensor
-            Optimised together with the variational parameters.
-        """
-        return []
-
-    @property
-    @abc.abstractmethod
-    def prior_variance(self):
-        """The kernel's amplitude (reported as the estimator's ``prior_variance_``)."""
-        raise NotImplementedError
-
-    @abc.abstractmethod
-    def gram(self, z, cz):
-        """Compute the kernel matrix of the inducing pairs.
-
-        Parameters
-        ----------
-        z : Tensor of shape (M, n_features)
-            Inducing inputs.
-        cz : Tensor of shape (M,)
-            Output index of each inducing input.
-
-        Returns
-        -------
-        Tensor of shape (M, M)
-            ``K((z_i, cz_i), (z_j, cz_j))`` in float64.
-        """
-        raise NotImplementedError
-
-    @abc.abstractmethod
-    def cross(self, x, z, cz):
-        """Compute the covariances of every output of every point with the inducing pairs.
-
-        Parameters
-        ----------
-        x : Tensor of shape (B, n_features)
-            Query points.
-        z : Tensor of shape (M, n_features)
-            Inducing inputs.
-        cz : Tensor of shape (M,)
-            Their output indices.
-
-        Returns
-        -------
-        Tensor of shape (B, C, M)
-            ``K((x_b, c), (z_m, cz_m))`` in float64.
-        """
-        raise NotImplementedError
-
-    @abc.abstractmethod
-    def diag_blocks(self, x):
-        """Compute the prior covariance between the outputs of each point.
-
-        Parameters
-        ----------
-        x : Tensor of shape (B, n_features)
-            Query points.
-
-        Returns
-        -------
-        Tensor of shape (B, C, C)
-            ``K((x_b, c), (x_b, c'))`` in float64.
-        """
-        raise NotImplementedError
-
-    def cross_and_diag(self, x, z, cz):
-        """Return :meth:`cross` and :meth:`diag_blocks` of one batch together.
-
-        Parameters
-        ----------
-        x : Tensor of shape (B, n_features)
-            Query points.
-        z : Tensor of shape (M, n_features)
-            Inducing inputs.
-        cz : Tensor of shape (M,)
-            Their output indices.
-
-        Returns
-        -------
-        Kxz : Tensor of shape (B, C, M)
-            ``cross(x, z, cz)``.
-        Kxx : Tensor of shape (B, C, C)
-            ``diag_blocks(x)``.
-        """
-        return super().cross_and_diag(x, z, cz)
-
-    def batch(self, x, z, cz):
-        """Return :meth:`gram`, :meth:`cross` and :meth:`diag_blocks` for one training step.
-
-        Parameters
-        ----------
-        x : Tensor of shape (B, n_features)
-            The minibatch's inputs.
-        z : Tensor of shape (M, n_features)
-            Inducing inputs.
-        cz : Tensor of shape (M,)
-            Their output indices.
-
-        Returns
-        -------
-        Kzz : Tensor of shape (M, M)
-            ``gram(z, cz)``.
-        Kxz : Tensor of shape (B, C, M)
-            ``cross(x, z, cz)``.
-        Kxx : Tensor of shape (B, C, C)
-            ``diag_blocks(x)``.
-        """
-        return super().batch(x, z, cz)
-
-    def predictor(self, z, cz, W):
-        """Build the function used at prediction, ``x -> (Kxx blocks, Kxz W^T)``.
-
-        Parameters
-        ----------
-        z : Tensor of shape (M, n_features)
-            Fitted inducing inputs.
-        cz : Tensor of shape (M,)
-            Their output indices.
-        W : Tensor of shape (M, M)
-            The fitted factor with ``A = W^T W``.
-
-        Returns
-        -------
-        callable
-            ``predict(x) -> (Tensor (B, C, C), Tensor (B, C, M))``; thread-safe.
-        """
-        return super().predictor(z, cz, W)
+    @staticmethod
+    def sq(a, b):
+        d2 = (a * a).sum(-1)[:, None] + (b * b).sum(-1)[None, :] - 2.0 * a @ b.T
+        return d2.clamp_min(0.0)
 
 
 class RBF(Kernel):
@@ -435,15 +332,18 @@ class RBF(Kernel):
 
 
 class ClassificationKernel(RBF):
-    """The thesis' classification kernel ``a B_cc' RBF(x, x') (psi(x)^T psi(x') / s + delta)``.
+    """The FMGP classification kernel ``a B_cc' RBF(x, x') (psi(x)^T psi(x') / s + [c = c'])``.
 
-    ``B = L_B L_B^T`` (C x C, ``L_B`` lower triangular, initialised to ``I``) couples the
-    logits; ``RBF`` is the unit-amplitude ARD squared exponential on the inputs (median
-    heuristic); ``psi`` are the network's penultimate features (see
-    :class:`PenultimateFeatures`), ``s`` their mean squared norm on the training data
-    (so that the linear part is of order one; the thesis has ``s = 1``), and
-    ``delta = [x = x']`` (identical inputs) a nugget that keeps ``K`` positive
-    definite. Learned: ``a``, the length scales and ``L_B``.
+    The authors' code form (BayesiPy's ``RBFxNTK``): the last-layer neural tangent
+    kernel of the network, ``psi(x)^T psi(x') + [c = c']`` (weights and bias of its
+    linear head), with output covariance ``B = L_B L_B^T`` (C x C, ``L_B`` lower
+    triangular, initialised to ``I``) and localised by the unit-amplitude ARD squared
+    exponential ``RBF`` on the inputs (median heuristic). ``psi`` are the network's
+    penultimate features (see :class:`PenultimateFeatures`) and ``s`` their mean
+    squared norm on the training data, so that the linear part is of order one (the
+    authors have ``s = 1``). Learned: ``a``, the length scales and ``L_B``.
+    ``docs/fmgp.md`` derives the kernel and why the bias term is ``[c = c']``, not the
+    thesis text's ``[x = x']``.
 
     Parameters
     ----------
@@ -454,6 +354,11 @@ class ClassificationKernel(RBF):
     penultimate_layer : str or None, default=None
         Name of the module whose output is ``psi(x)``; ``None``: the input of the
         network's last ``nn.Linear`` (see :class:`PenultimateFeatures`).
+    delta : {"class", "input"}, default="class"
+        The second term: ``"class"``, ``[c = c']`` (the head's bias, the authors'
+        code); ``"input"``, ``[x = x']`` (the thesis text: white noise on identical
+        inputs, which no inducing point can explain; measured better only on breast
+        cancer, see ``docs/fmgp.md``).
     learn_length_scale : bool, default=True
         Learn ``log l_d``.
     learn_amplitude : bool, default=True
@@ -486,10 +391,11 @@ class ClassificationKernel(RBF):
     """
 
     def __init__(self, length_scale=None, amplitude=None, *, penultimate_layer=None,
-                 learn_length_scale=True, learn_amplitude=True):
+                 delta="class", learn_length_scale=True, learn_amplitude=True):
         super().__init__(length_scale, amplitude, learn_length_scale=learn_length_scale,
                          learn_amplitude=learn_amplitude)
         self.penultimate_layer = penultimate_layer
+        self.delta = delta
 
     def initialize(self, X, y, *, n_outputs, task, net):
         """Set the hyperparameters and the feature map from a sample of the training data.
@@ -514,6 +420,8 @@ class ClassificationKernel(RBF):
         """
         if net is None:
             raise ValueError("ClassificationKernel needs the network (net=...)")
+        if self.delta not in ("class", "input"):
+            raise ValueError(f"delta must be 'class' or 'input', got {self.delta!r}")
         self._init_rbf(X, 1.0)
         self.n_outputs = int(n_outputs)
         self.features_ = PenultimateFeatures(net, self.penultimate_layer, X[:8])
@@ -561,11 +469,26 @@ class ClassificationKernel(RBF):
             eq[cand[hit, 0], cand[hit, 1]] = 1.0
         return eq
 
-    def _factor(self, x, xs, psi_x, z, zs, psi_z):
-        """``RBF(x, z) (psi_x psi_z^T / s + [x = z])`` without the amplitude, (B, M)."""
+    def _pairs(self, x, xs, psi_x, z, zs, psi_z, cx, cz, *, gram=False):
+        """``a B[cx, cz] RBF(x, z) (psi_x^T psi_z / s + delta)``.
+
+        ``gram``: ``cx`` (B,) is the index of each row of ``x`` and the result is (B, M);
+        else ``cx`` (C,) lists every logit and the result is the cross block (B, C, M).
+        """
         d2 = _ScaledDistance.sq(xs, zs)
-        lin = self.feature_scale * (psi_x @ psi_z.T) + self._same(x, z, d2)
-        return torch.exp(-0.5 * d2) * lin
+        rbf = torch.exp(self.log_amplitude - 0.5 * d2)  # a RBF, (B, M)
+        lin = self.feature_scale * (psi_x @ psi_z.T)  # (B, M)
+        B = self._B()
+        if gram:
+            Bp = B[cx][:, cz]
+            delta = (self._same(x, z, d2) if self.delta == "input"
+                     else (cx[:, None] == cz[None, :]).to(_F64))
+            return rbf * Bp * (lin + delta)
+        Bp = B[:, cz]  # (C, M)
+        if self.delta == "input":
+            return (rbf * (lin + self._same(x, z, d2)))[:, None, :] * Bp[None]
+        onehot = (cx[:, None] == cz[None, :]).to(_F64)  # (C, M)
+        return rbf[:, None, :] * Bp[None] * (lin[:, None, :] + onehot[None])
 
     def gram(self, z, cz):
         """Compute the kernel matrix of the inducing pairs.
@@ -580,12 +503,11 @@ class ClassificationKernel(RBF):
         Returns
         -------
         Tensor of shape (M, M)
-            ``a B[cz_i, cz_j] RBF(z_i, z_j) (psi_i^T psi_j / s + [z_i = z_j])``.
+            ``a B[cz_i, cz_j] RBF(z_i, z_j) (psi_i^T psi_j / s + [cz_i = cz_j])``.
         """
         zs = self._dist.scale(z)
-        f = self._factor(z, zs, self._psi(z), z, zs, self._psi(z))
-        B = self._B()
-        return torch.exp(self.log_amplitude) * B[cz][:, cz] * f
+        psi_z = self._psi(z)
+        return self._pairs(z, zs, psi_z, z, zs, psi_z, cz, cz, gram=True)
 
     def cross(self, x, z, cz):
         """Compute the covariances of every logit of every point with the inducing pairs.
@@ -602,14 +524,13 @@ class ClassificationKernel(RBF):
         Returns
         -------
         Tensor of shape (B, C, M)
-            ``a B[c, cz_m] RBF(x_b, z_m) (psi_b^T psi_m / s + [x_b = z_m])``.
+            ``a B[c, cz_m] RBF(x_b, z_m) (psi_b^T psi_m / s + [c = cz_m])``.
         """
         return self._cross(x, self._psi(x), self._dist.scale(z), z, self._psi(z), cz)
 
     def _cross(self, x, psi_x, zs, z, psi_z, cz):
-        f = self._factor(x, self._dist.scale(x), psi_x.to(_F64), z, zs, psi_z)
-        Bz = self._B()[:, cz]  # (C, M)
-        return torch.exp(self.log_amplitude) * f[:, None, :] * Bz[None]
+        classes = torch.arange(self.n_outputs, device=cz.device)
+        return self._pairs(x, self._dist.scale(x), psi_x.to(_F64), z, zs, psi_z, classes, cz)
 
     def diag_blocks(self, x):
         """Compute the prior covariance between the logits of each point.
@@ -622,13 +543,17 @@ class ClassificationKernel(RBF):
         Returns
         -------
         Tensor of shape (B, C, C)
-            ``a B (|psi(x)|^2 / s + 1)`` per point.
+            ``a B (|psi(x)|^2 / s + I)`` (elementwise product with ``B``) per point.
         """
         return self._diag(self._psi(x))
 
     def _diag(self, psi):
-        lin = self.feature_scale * (psi * psi).sum(-1) + 1.0
-        return torch.exp(self.log_amplitude) * lin[:, None, None] * self._B()[None]
+        lin = self.feature_scale * (psi * psi).sum(-1)  # (B,)
+        B = self._B()
+        C = B.shape[0]
+        delta = (torch.ones((C, C), dtype=_F64, device=B.device) if self.delta == "input"
+                 else torch.eye(C, dtype=_F64, device=B.device))
+        return torch.exp(self.log_amplitude) * B[None] * (lin[:, None, None] + delta[None])
 
     def cross_and_diag(self, x, z, cz):
         """Return :meth:`cross` and :meth:`diag_blocks` from one evaluation of ``psi(x)``.
@@ -676,8 +601,7 @@ class ClassificationKernel(RBF):
         """
         psi_z = self._psi(z)
         zs = self._dist.scale(z)
-        Kzz = (torch.exp(self.log_amplitude) * self._B()[cz][:, cz]
-               * self._factor(z, zs, psi_z, z, zs, psi_z))
+        Kzz = self._pairs(z, zs, psi_z, z, zs, psi_z, cz, cz, gram=True)
         psi_x = self._psi(x)  # last: the predictive mean of x then reuses this pass
         return Kzz, self._cross(x, psi_x, zs, z, psi_z, cz), self._diag(psi_x)
 
@@ -708,10 +632,11 @@ class ClassificationKernel(RBF):
             with torch.no_grad():
                 _, psi_x = self.features_(x)
                 Kxz = self._cross(x, psi_x, zs, z, psi_z, cz)
-                return self.diag_blocks(x), Kxz @ W.T
+                return self._diag(psi_x.to(_F64)), Kxz @ W.T
 
         return predict
 
     def __repr__(self):
         return (f"ClassificationKernel(length_scale={self.length_scale!r}, "
-                f"amplitude={self.amplitude!r}, penultimate_layer={self.penultimate_layer!r})")
+                f"amplitude={self.amplitude!r}, penultimate_layer={self.penultimate_layer!r}, "
+                f"delta={self.delta!r})")

@@ -9,7 +9,8 @@ result independent of the basis chosen inside ``span(P)``.
   diagonal-GGN posterior covariance, ``M = J_X' Psi_approx J_X'^T`` over a subset
   ``X'`` of the training inputs, its top-``s`` eigenvectors ``U_s`` and
   ``P = Psi_approx J_X'^T U_s`` (orthonormalised: Theorem 1 holds for any
-  reparametrisation ``P Q``);
+  reparametrisation ``P Q``), or ``P = J_X'^T U_s`` with the residual correction (the
+  same span for the exact ``Psi``, and inside the span of the training Jacobians);
 * ``optimal`` (Theorem 1): the same with the full GGN posterior covariance
   ``Psi = (GGN + I / s0^2)^-1``, only for ``p <= MAX_OPTIMAL_PARAMS``;
 * ``subset-magnitude`` / ``subset-diagonal`` / ``subset-swag``: the ``s``
@@ -20,21 +21,28 @@ Memory: ``M`` is ``(n' C) x (n' C)``; ``Psi_approx`` (from
 :mod:`sklearn_lla._network.curvature`) is applied to chunks of Jacobian rows, so no
 ``p x p`` matrix is formed except by ``optimal``.
 
-:class:`SubspacePosterior` builds the projector (with the KFAC-evidence prior variance
-of the paper when ``"auto"``) and runs :class:`~sklearn_lla._posteriors.glm.GLMPosterior`
-on ``ProjectionFeatures``; the estimators are in :mod:`sklearn_lla.subspace`.
+:class:`SubspacePosterior` builds the projector (``Psi_approx`` with the KFAC
+evidence's hyperparameters, the paper's), runs
+:class:`~sklearn_lla._posteriors.glm.GLMPosterior` on ``ProjectionFeatures`` and, for
+the low-rank projectors, keeps the prior variance outside ``span(P)`` in the
+predictive (checked on the training rows, :meth:`SubspacePosterior._check_residual`).
+Regression's ``"auto"`` prior variance lies on the KFAC ridge ``s0^2 = s0_KFAC(s2)``
+(the KFAC evidence's maximiser at the noise variance in use). The estimators are in
+:mod:`sklearn_lla.subspace`.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
 import torch
+from scipy.optimize import minimize_scalar
 
-from .._core.hyper import Evidence
+from .._core.hyper import Evidence, HyperparameterWarning, HyperResult, glm_log_evidence
 from .._core.linalg import dense_inverse, safe_eigh
-from .._core.protocol import to_batch
+from .._core.protocol import check_finite_outputs, to_batch
 from .._network.curvature import (
     KFAC,
     UnsupportedKFAC,
@@ -44,7 +52,7 @@ from .._network.curvature import (
     ggn_diagonal,
     swag_variances,
 )
-from .glm import GLMPosterior, ProjectionFeatures, _check_finite_outputs
+from .glm import GLMPosterior, ProjectionFeatures
 
 __all__ = ["SubspacePosterior", "PROJECTORS", "MAX_OPTIMAL_PARAMS", "lowrank_directions",
            "subset_directions"]
@@ -54,19 +62,49 @@ PROJECTORS = ("lowrank-kfac", "lowrank-diag", "subset-magnitude", "subset-diagon
               "subset-swag", "optimal")
 
 
+#: Largest mean latent variance (per training row and output, in units of the noise
+#: variance or of the curvature) that the prior residual may add on the training rows
+#: before ``residual_correction="auto"`` turns it off (:meth:`SubspacePosterior._check_residual`).
+RESIDUAL_TOL = 0.25
+
+#: Search range of the ``"auto"`` noise variance along the KFAC ridge, relative to the
+#: mean squared training residual.
+NOISE_RANGE = (1e-6, 1e2)
+
 #: Largest number of parameters for which ``projector="optimal"`` forms the dense
 #: ``p x p`` posterior covariance.
 MAX_OPTIMAL_PARAMS = 5000
 
 
-def _top_eigvecs(M, s):
+#: Per-row cost budget of ``subspace_dim="auto"``, in multiply-adds: the features of a
+#: row cost ``s * p`` (one JVP with ``s`` tangents) at fit and at predict, so "auto"
+#: keeps at most ``max(AUTO_MIN_DIM, AUTO_COST_BUDGET // p)`` directions.
+AUTO_COST_BUDGET = 2**21
+
+#: The smallest ``s`` that ``subspace_dim="auto"`` keeps when the spectrum allows it.
+AUTO_MIN_DIM = 20
+
+#: Relative eigenvalue floor of ``subspace_dim="auto"``: directions of ``M`` below
+#: ``AUTO_RTOL * lam_max`` are left out (the data leave their posterior at the prior).
+AUTO_RTOL = 1e-6
+
+
+def auto_dim_cap(n_params):
+    """The most directions ``subspace_dim="auto"`` keeps for ``n_params`` parameters."""
+    return max(AUTO_MIN_DIM, AUTO_COST_BUDGET // max(1, int(n_params)))
+
+
+def _top_eigvecs(M, s, cap=None):
     lam, U = safe_eigh(0.5 * (M + M.T), "projected covariance J Psi J^T")
     lam, U = lam.flip(0), U.flip(1)
-    tol = max(float(lam[0]), 0.0) * len(lam) * torch.finfo(torch.float64).eps * 10
+    top = max(float(lam[0]), 0.0)
+    tol = top * len(lam) * torch.finfo(torch.float64).eps * 10
     positive = int((lam > tol).sum())
     if positive == 0:
         raise ValueError("J Psi J^T is zero on the subset: the network's Jacobian vanishes")
-    if positive < s:
+    if s == "auto":
+        s = min(int((lam > max(tol, AUTO_RTOL * top)).sum()), cap or positive)
+    elif positive < s:
         warnings.warn(f"J Psi J^T has only {positive} numerically positive eigenvalues on the "
                       f"{M.shape[0]} rows of the subset; using subspace_dim={positive} instead "
                       f"of {s}", RuntimeWarning, stacklevel=4)
@@ -74,8 +112,8 @@ def _top_eigvecs(M, s):
     return lam[:s], U[:, :s]
 
 
-def lowrank_directions(lin, X, n_outputs, psi, s, batch_size=256):
-    """Algorithm 1: orthonormal rows spanning ``Psi J_X^T U_s``.
+def lowrank_directions(lin, X, n_outputs, psi, s, batch_size=256, row_space=False):
+    """Algorithm 1: orthonormal rows spanning ``Psi J_X^T U_s`` (or ``J_X^T U_s``).
 
     Parameters
     ----------
@@ -87,10 +125,18 @@ def lowrank_directions(lin, X, n_outputs, psi, s, batch_size=256):
         ``C``.
     psi : callable
         ``T (p, k) -> Psi T (p, k)``, float64.
-    s : int
-        Subspace dimension (reduced to the numerical rank of ``M`` with a warning).
+    s : int or "auto"
+        Subspace dimension (an integer is reduced to the numerical rank of ``M`` with a
+        warning); ``"auto"``: every eigenvalue of ``M`` above ``AUTO_RTOL`` times the
+        largest, at most :func:`auto_dim_cap` of them.
     batch_size : int, default=256
         Points per Jacobian chunk (also capped by the Jacobian memory budget).
+    row_space : bool, default=False
+        Span ``J_X^T U_s`` instead of ``Psi J_X^T U_s``: the same span when ``Psi`` is
+        the exact posterior covariance of the training rows ``X`` (push-through:
+        ``Psi J^T = s0^2 J^T (I + s0^2 Lam J J^T)^-1``, whose eigenvectors are those of
+        ``M`` for a Gaussian likelihood), and always inside the span of the
+        Jacobian rows, which the prior residual of the predictive needs.
 
     Returns
     -------
@@ -113,19 +159,21 @@ def lowrank_directions(lin, X, n_outputs, psi, s, batch_size=256):
         for sj in chunks:
             Jj = Ji if sj == si else jac(sj)
             M[sj.start * C:sj.stop * C, si.start * C:si.stop * C] = Jj @ Z
-    lam, U = _top_eigvecs(M, s)
+    lam, U = _top_eigvecs(M, s, auto_dim_cap(p))
     del M
     Pm = torch.zeros((p, U.shape[1]), dtype=torch.float64, device=lin.device)
     for si in chunks:
-        Pm += psi(jac(si).T) @ U[si.start * C:si.stop * C]
+        Jt = jac(si).T
+        Pm += (Jt if row_space else psi(Jt)) @ U[si.start * C:si.stop * C]
     Q, _ = torch.linalg.qr(Pm)
     return Q.T.contiguous(), lam
 
 
 def subset_directions(scores, s):
-    """Selection rows of the ``s`` largest ``scores`` (ties: the lower index first)."""
+    """Selection rows of the ``s`` largest ``scores`` (ties: the lower index first;
+    ``s="auto"``: :func:`auto_dim_cap` of them)."""
     p = scores.shape[0]
-    s = min(int(s), p)
+    s = min(auto_dim_cap(p) if s == "auto" else int(s), p)
     order = np.argsort(-scores.cpu().numpy(), kind="stable")[:s]
     V = torch.zeros((s, p), dtype=torch.float64, device=scores.device)
     V[torch.arange(s), torch.as_tensor(np.sort(order), device=scores.device)] = 1.0
@@ -139,15 +187,15 @@ class SubspacePosterior(GLMPosterior):
     ----------
     projector : str
         One of :data:`sklearn_lla._posteriors.subspace.PROJECTORS`.
-    subspace_dim : int
-        ``s``.
+    subspace_dim : int or "auto"
+        ``s``; ``"auto"``: see :func:`lowrank_directions` and :func:`subset_directions`.
     prior_variance : float or "auto"
     noise_variance : float, "auto" or None
     hyper : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
-        ``"auto"``: an ``"auto"`` prior variance from the KFAC evidence (falls back to
-        the subspace evidence when KFAC does not support the network), an ``"auto"``
-        noise variance by the GLM posterior's ``"auto"``. Otherwise both by that GLM
-        strategy on the subspace model.
+        Strategy for ``"auto"`` values on the subspace model
+        (:func:`~sklearn_lla._core.hyper.resolve_strategy`); ``"auto"`` is
+        ``fallback``. The projector's ``Psi_approx`` is built with the KFAC evidence's
+        hyperparameters (the paper's choice) when KFAC supports the network.
     n_subset : int or "auto", default="auto"
         Size of the training subset ``X'`` of the low-rank and optimal projectors
         (``"auto"``: ``ceil(1000 / C)`` points, ``n C = 1000`` rows as in the paper).
@@ -155,17 +203,27 @@ class SubspacePosterior(GLMPosterior):
         Inputs to use as ``X'`` instead of a random training subset.
     swag_learning_rate : float, default=1e-2
     swag_n_steps : int, default=100
+    residual_correction : bool or "auto", default="auto"
+        Keep the prior variance of the directions outside ``span(P)`` in the predictive
+        (:class:`~sklearn_lla._posteriors.glm.GLMPosterior`); the low-rank projectors
+        are then built in the span of the training Jacobians (``row_space`` of
+        :func:`lowrank_directions`). ``"auto"``: on for the low-rank projectors built on
+        training rows, off for the subset and optimal projectors.
+    fallback : {"evidence", "weight_norm"}, default="evidence"
+        The objective behind ``hyper="auto"``.
     """
 
     fitted_attributes = GLMPosterior.fitted_attributes + (
         "projector_rows", "projector_eigvals", "projector_prior_variance",
         "projector_noise_variance", "subset_indices")
 
-    def __init__(self, projector, subspace_dim, prior_variance="auto", noise_variance=None,
-                 hyper="auto", n_subset="auto", subspace_X=None, swag_learning_rate=1e-2,
-                 swag_n_steps=100):
+    def __init__(self, projector, subspace_dim="auto", prior_variance="auto",
+                 noise_variance=None, hyper="auto", n_subset="auto", subspace_X=None,
+                 swag_learning_rate=1e-2, swag_n_steps=100, residual_correction="auto",
+                 fallback="evidence"):
         super().__init__(None, prior_variance, noise_variance, hyper=hyper,
-                         label="subspace Laplace")
+                         residual_correction=residual_correction, label="subspace Laplace",
+                         fallback=fallback)
         self.projector = projector
         self.subspace_dim = subspace_dim
         self.n_subset = n_subset
@@ -197,24 +255,21 @@ class SubspacePosterior(GLMPosterior):
         return x.double() if x.is_floating_point() else x
 
     def _hyper_for_projector(self, lin, data, kfac):
-        """Prior (and noise) variances for the projector; fixes an evidence-chosen prior."""
+        """``(s0^2, s2)`` of the projector's ``Psi_approx``, from the KFAC evidence when
+        any is ``"auto"`` (the paper's choice), else given / weight norm / residuals."""
         lik = data.likelihood
         regression = lik.task == "regression"
         P, N, C = lin.n_params, data.n_samples, data.n_outputs
         theta = lin.flat_params().double()
         theta_sq = float(theta @ theta)
         s0, s2 = self.prior_variance, (self.noise_variance if regression else None)
-        self._kfac_result = None
-        if s0 == "auto" and self.hyper == "auto" and kfac is not None:
+        self._kfac_fit = None
+        if kfac is not None and (s0 == "auto" or s2 == "auto"):
             stat = self._fit_statistic(lin, data)
-            res = Evidence().select(s0, s2, eigvals=kfac.eigvals(), theta_sq_norm=theta_sq,
-                                    data_fit=stat, n_obs=N * C, n_params=P)
+            self._kfac_fit = dict(eigvals=kfac.eigvals(), theta_sq_norm=theta_sq,
+                                  data_fit=stat, n_obs=N * C, n_params=P)
+            res = Evidence().select(s0, s2, **self._kfac_fit)
             self._kfac_result = res
-            if data.validation is None:
-                # no held-out rows: the KFAC evidence (the paper's choice) also fixes
-                # the subspace posterior's prior; with held-out rows the posterior's
-                # own validation strategy chooses it (docs/hyperparameters.md)
-                self.prior_variance = res.prior_variance
             return res.prior_variance, res.noise_variance
         s0p = float(s0) if s0 != "auto" else max(theta_sq / max(P, 1), 1e-12)
         s2p = None
@@ -228,14 +283,15 @@ class SubspacePosterior(GLMPosterior):
     def _directions(self, data):
         lin, lik = data.lin, data.likelihood
         lin64 = float64_view(lin)
-        name, s = self.projector, int(self.subspace_dim)
+        name = self.projector
+        s = self.subspace_dim if self.subspace_dim == "auto" else int(self.subspace_dim)
         if name == "optimal" and lin.n_params > MAX_OPTIMAL_PARAMS:
             raise ValueError(
                 f"projector='optimal' forms the dense p x p posterior covariance and needs "
                 f"p <= {MAX_OPTIMAL_PARAMS}; this network has p = {lin.n_params} linearised "
                 "parameters. Use projector='lowrank-kfac' or 'lowrank-diag'.")
         kfac = None
-        wants_kfac = self.prior_variance == "auto" and self.hyper == "auto"
+        wants_kfac = self.prior_variance == "auto" or self.noise_variance == "auto"
         if name == "lowrank-kfac" or wants_kfac:
             try:
                 kfac = KFAC(lin64, data)
@@ -264,7 +320,8 @@ class SubspacePosterior(GLMPosterior):
                 def psi(T):
                     return Sigma @ T
             Xs = self._subset_inputs(data)
-            V, lam = lowrank_directions(lin64, Xs, data.n_outputs, psi, s, data.batch_size)
+            V, lam = lowrank_directions(lin64, Xs, data.n_outputs, psi, s, data.batch_size,
+                                        row_space=bool(self.residual_correction))
             self.projector_eigvals = lam
             return V
         if name == "subset-magnitude":
@@ -283,16 +340,154 @@ class SubspacePosterior(GLMPosterior):
         if self.projector not in PROJECTORS:
             raise ValueError(f"unknown projector {self.projector!r}; expected one of "
                              f"{PROJECTORS}")
-        V = self._directions(data)  # may fix an evidence-chosen prior variance
+        residual_auto = self.residual_correction == "auto"
+        if residual_auto:
+            self.residual_correction = (self.projector in ("lowrank-kfac", "lowrank-diag")
+                                        and self.subspace_X is None)
+        self._kfac_result = None
+        V = self._directions(data)
         self.projector_rows = V
         self.features = ProjectionFeatures(V)
+        # regression, "auto" prior, the default strategy: the prior variance is the KFAC
+        # evidence's maximiser at the noise variance in use (the "KFAC ridge")
+        self._kfac_ridge = (data.likelihood.task == "regression" and self._kfac_fit is not None
+                            and self.prior_variance == "auto" and self.hyper == "auto")
         super().fit(data)
-        if self._kfac_result is not None and data.validation is None:
-            glm = self.hyper_strategy
-            self.hyper_strategy = "evidence" if glm in ("fixed", "evidence") else glm
-            self.hyper_trace = {**self.hyper_trace, "kfac_evidence": self._kfac_result.trace,
-                                "prior_variance_source": "kfac_evidence"}
+        self.residual_excess = None
+        if self.residual_correction:
+            self._check_residual(data, switch=residual_auto)
+        proj = {"prior_variance": self.projector_prior_variance,
+                "noise_variance": self.projector_noise_variance}
+        if self._kfac_result is not None:
+            proj["kfac_evidence"] = self._kfac_result.trace
+        self.hyper_trace = {**self.hyper_trace, "projector": proj,
+                            "residual_excess": self.residual_excess}
+        if self._kfac_ridge:
+            self.hyper_trace["prior_variance_source"] = "kfac_evidence"
         return self
+
+    def _kfac_prior_at(self, s2, warn=False):
+        """The KFAC evidence's prior variance at the noise variance ``s2``."""
+        with warnings.catch_warnings():
+            if not warn:
+                warnings.simplefilter("ignore", HyperparameterWarning)
+            return Evidence().select("auto", float(s2), **self._kfac_fit).prior_variance
+
+    def _objective(self, data, e, T, prior_scale, fit_stat, n_seen, warn=True):
+        """The GLM strategy, or on the KFAC ridge: ``s0^2 = s0_KFAC(s2)`` and an ``"auto"``
+        noise maximising the subspace model's own evidence along that ridge."""
+        if not self._kfac_ridge:
+            return super()._objective(data, e, T, prior_scale, fit_stat, n_seen, warn=warn)
+        kw = self._spectrum(e, prior_scale, fit_stat, n_seen)
+        kw.pop("n_params")
+        kw.pop("prior_scale")
+        if self.noise_variance != "auto":
+            s2 = float(self.noise_variance)
+            return HyperResult(self._kfac_prior_at(s2, warn) * prior_scale, s2, "evidence",
+                               {"noise_variance": np.array([s2])})
+
+        def log_z(u):
+            s2 = math.exp(u)
+            return glm_log_evidence(self._kfac_prior_at(s2), s2, **kw)
+
+        mse = max(fit_stat / max(kw["n_obs"], 1), 1e-300)
+        u, trace = _profile_search(log_z, math.log(mse * NOISE_RANGE[0]),
+                                   math.log(mse * NOISE_RANGE[1]))
+        s2 = math.exp(u)
+        if warn and trace.pop("at_edge"):
+            warnings.warn(f"the noise variance that maximises the subspace evidence along the "
+                          f"KFAC-evidence prior is at the edge of its range ({s2:.3g}); pass "
+                          "noise_variance or validation_data", HyperparameterWarning,
+                          stacklevel=4)
+        trace.pop("at_edge", None)
+        s0 = self._kfac_prior_at(s2, warn)
+        trace["prior_variance"] = np.array([self._kfac_prior_at(v) for v in
+                                            trace["noise_variance"]])
+        return HyperResult(s0 * prior_scale, s2, "evidence", trace)
+
+    def _prior_given_noise(self, s2, kw):
+        if not self._kfac_ridge:
+            return super()._prior_given_noise(s2, kw)
+        return self._kfac_prior_at(s2) * kw.get("prior_scale", 1.0)
+
+    def _inside_trace(self):
+        """``tr((V^T V)^-1 V^T G V)``: the GGN's trace inside ``span(P)``."""
+        if self.eigvals is not None:
+            return float(self.eigvals.sum())
+        R = self.features.prior_gram.double()
+        return float(torch.trace(torch.linalg.solve(R, self._factor)))
+
+    def _check_residual(self, data, switch):
+        """The prior residual's latent variance on the training rows; too much: off.
+
+        ``excess = s0^2 tr(G_perp) / (s2 N C)``, ``G_perp`` the GGN outside
+        ``span(P)`` (``tr G`` minus the trace inside): the mean latent variance the
+        residual adds on a training row, in units of the noise variance (regression)
+        or of the curvature ``Lam`` (classification). Exact LLA's latent variance at a
+        training row is below the noise variance, so ``excess > RESIDUAL_TOL`` means
+        that ``span(P)`` misses directions the data determine and the residual would
+        inflate the std on the data.
+        """
+        lin, lik = data.lin, data.likelihood
+        bs = min(data.batch_size, lin.chunk_size(data.n_outputs))
+        tr_g = data.reduce(_ggn_trace, (lin, lik), bs)[0]
+        outside = max(tr_g - self._inside_trace(), 0.0)
+        s2 = self.noise_variance if self._regression else 1.0
+        excess = self.prior_variance * outside / s2 / (self.n_seen * data.n_outputs)
+        self.residual_excess = float(excess)
+        if excess <= RESIDUAL_TOL:
+            return
+        what = ("the noise variance" if self._regression else "the curvature")
+        msg = (f"the subspace (subspace_dim_={self.features.dim}) misses directions the "
+               f"training data determine: the prior variance outside it would add "
+               f"{excess:.3g} x {what} to the latent variance of a training row on average "
+               f"(more than {RESIDUAL_TOL:g})")
+        if not switch:
+            warnings.warn(msg + "; the std on the data is inflated. Raise subspace_dim / "
+                          "n_subset or pass residual_correction=False", RuntimeWarning,
+                          stacklevel=6)
+            return
+        warnings.warn(msg + "; the predictive keeps to span(P) (residual_correction=False, "
+                      "the paper's), whose std does not grow away from the data. Raise "
+                      "subspace_dim / n_subset so that span(P) holds them, or use "
+                      "LLARegressor / ELLARegressor", RuntimeWarning, stacklevel=6)
+        self.residual_correction = False
+        res = self._objective(data, self.eigvals, self._factor, self.prior_scale,
+                              self._fit_stat, self.n_seen)
+        self._set_hyperparameters(data.likelihood, res.prior_variance, res.noise_variance)
+        self.hyper_strategy, self.hyper_trace = res.strategy, res.trace
+
+
+def _profile_search(f, a, b, n_grid=41):
+    """Maximise the smooth 1-D ``f(u)`` on ``[a, b]``: a grid, then Brent between the
+    best point's neighbours. Returns ``(u, trace)``."""
+    grid = np.linspace(a, b, n_grid)
+    vals = np.array([f(u) for u in grid])
+    vals = np.where(np.isfinite(vals), vals, -np.inf)
+    if not np.isfinite(vals).any():
+        raise FloatingPointError("the evidence is not finite for any noise variance")
+    i = int(np.argmax(vals))
+    lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, n_grid - 1)]
+    res = minimize_scalar(lambda u: -f(u), bounds=(lo, hi), method="bounded",
+                          options={"xatol": 1e-6})
+    u, val = (float(res.x), -float(res.fun)) if -res.fun >= vals[i] else (grid[i], vals[i])
+    at_edge = (i == 0 and u - a < 1e-3) or (i == n_grid - 1 and b - u < 1e-3)
+    return u, {"noise_variance": np.exp(grid), "score": vals, "log_evidence": val,
+               "at_edge": at_edge}
+
+
+def _ggn_trace(payload, batches):
+    """``(sum_n tr(Lam_n J_n J_n^T),)``: the trace of the (unit-noise) GGN, adds over rows."""
+    lin, lik = payload
+    total = 0.0
+    for x, _ in batches:
+        K = lin.ntk_diag_blocks(x).double()
+        if lik.unit_curvature:
+            total += float(torch.einsum("bcc->", K))
+        else:
+            A = lik.lam_factor(lin.forward(x).double())
+            total += float(torch.einsum("bck,bcd,bdk->", A, K, A))
+    return (total,)
 
 
 def _fit_statistic(payload, batches):
@@ -301,7 +496,7 @@ def _fit_statistic(payload, batches):
     stat = 0.0
     for x, y in batches:
         g = lin.forward(x).double()
-        _check_finite_outputs(g, "training rows")
+        check_finite_outputs(g, "training rows")
         stat += (float(((y - g) ** 2).sum()) if lik.task == "regression"
                  else float(lik.log_prob(g, y).sum()))
     return (stat,)

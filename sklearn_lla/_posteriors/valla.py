@@ -34,39 +34,31 @@ import math
 
 import numpy as np
 import torch
-from torch.func import jacrev, vmap
 
-from .gp import FixedMeanGPPosterior, Kernel, joint_cov
+from .._core.linalg import cholesky
+from .gp import (
+    FIT_THREADS,
+    FixedMeanGPPosterior,
+    Kernel,
+    alpha_energy,
+    joint_cov,
+    latent_cov,
+    nystrom_blocks,
+    subspace_gram,
+    torch_threads,
+    variational_terms,
+)
 
-__all__ = ["NTKKernel", "VaLLAPosterior", "structured_cross_gram"]
+__all__ = ["NTKKernel", "VaLLAPosterior"]
 
 _F64 = torch.float64
 
-def structured_cross_gram(Fa, Fb) -> torch.Tensor:
-    """``Ja Jb^T`` from two factored Jacobians, in differentiable out-of-place ops.
-
-    ``Fa``, ``Fb`` are :class:`~sklearn_lla._network.structured.jacobian.StructuredJacobian`
-    of the same chain; the result has shape ``(Fa.n_rows, Fb.n_rows)``, float64 (each
-    layer's two products are formed in the factors' dtype and combined in float64).
-    Unlike ``StructuredJacobian.gram`` (in place, no autograd), gradients flow to
-    whichever factors require them.
-    """
-    B1, k1 = Fa.n_points, Fa.rows_per_point
-    B2, k2 = Fb.n_points, Fb.rows_per_point
-    G = None
-    for la, lb in zip(Fa.layers, Fb.layers):
-        DD = (la.delta @ lb.delta.T).to(_F64)  # (B1 k1, B2 k2)
-        if la.has_weight:
-            K = (la.act @ lb.act.T).to(_F64)  # (B1, B2)
-            if la.has_bias:
-                K = K + 1.0
-            if k1 == 1 and k2 == 1:
-                DD = DD * K
-            else:
-                DD = (DD.view(B1, k1, B2, k2) * K[:, None, :, None]).reshape(B1 * k1, B2 * k2)
-        G = DD if G is None else G + DD
-    return G
-
+#: Training rows (at most) read by :meth:`VaLLAPosterior.start`.
+START_ROWS = 2000
+#: Largest ``rows x C x M`` cross-covariance :meth:`VaLLAPosterior.start` holds.
+START_ELEMENTS = 1 << 22
+#: Relative jitter of ``Kzz`` in the optimal factor of :meth:`VaLLAPosterior.start`.
+START_JITTER = 1e-6
 
 class NTKKernel(Kernel):
     """The scaled NTK ``s0^2 J_c(x) J_c'(z)^T`` over (input, output index) pairs.
@@ -119,7 +111,7 @@ class NTKKernel(Kernel):
         """``s0^2 J_cz(Z) J_cz(Z)^T`` (M, M), float64, differentiable w.r.t. ``Z``."""
         if self.structured:
             Fz = self._factors(self._z_input(z), cz, differentiable=z.requires_grad)
-            K = structured_cross_gram(Fz, Fz)
+            K = Fz.cross_gram()
         else:
             R = self._rows(z, cz)
             K = R @ R.T
@@ -141,7 +133,7 @@ class NTKKernel(Kernel):
         if self.structured:
             Fx = self._factors(x)
             Fz = self._factors(self._z_input(z), cz, differentiable=z.requires_grad)
-            G = structured_cross_gram(Fx, Fz)
+            G = Fx.cross_gram(Fz)
             blocks = Fx.diag_blocks()
         else:
             G, blocks = self._generic_cross_and_diag(x, self._rows(z, cz))
@@ -149,18 +141,44 @@ class NTKKernel(Kernel):
         return s0 * G.view(B, C, -1), s0 * blocks
 
     def batch(self, x, z, cz):
-        """``(Kzz, Kxz, Kxx)`` for a training step, evaluating the network at ``Z`` once."""
+        """``(Kzz, Kxz, Kxx)`` for a training step, evaluating the network at ``Z`` once.
+
+        When ``Z`` is not being learned (no gradient), its factors (or Jacobian rows)
+        and ``Kzz / s0^2`` are computed on the first step and reused while ``z`` and
+        ``cz`` are the same, unmodified tensors.
+        """
         B, C = x.shape[0], self.n_outputs
         s0 = self._s0()
+        Fz, Kzz = self._z_side(z, cz)
+        if self.structured:
+            Fx = self._factors(x)
+            Kxz = Fx.cross_gram(Fz).view(B, C, -1)
+            return s0 * Kzz, s0 * Kxz, s0 * Fx.diag_blocks()
+        Kxz, Kxx = self._generic_cross_and_diag(x, Fz)
+        return s0 * Kzz, s0 * Kxz, s0 * Kxx
+
+    def _z_side(self, z, cz):
+        """``(factors or rows at Z, Kzz / s0^2)``, cached for a fixed ``Z``."""
+        key = None
+        if not z.requires_grad:
+            key = (z.data_ptr(), z._version, tuple(z.shape), cz.data_ptr(), cz._version)
+            cached = self.__dict__.get("_z_cache")
+            if cached is not None and cached[0] == key:
+                return cached[1], cached[2]
         if self.structured:
             Fz = self._factors(self._z_input(z), cz, differentiable=z.requires_grad)
-            Fx = self._factors(x)
-            Kzz = structured_cross_gram(Fz, Fz)
-            Kxz = structured_cross_gram(Fx, Fz).view(B, C, -1)
-            return s0 * Kzz, s0 * Kxz, s0 * Fx.diag_blocks()
-        R = self._rows(z, cz)
-        Kxz, Kxx = self._generic_cross_and_diag(x, R)
-        return s0 * (R @ R.T), s0 * Kxz, s0 * Kxx
+            Kzz = Fz.cross_gram()
+        else:
+            Fz = self._rows(z, cz)
+            Kzz = Fz @ Fz.T
+        if key is not None:
+            self._z_cache = (key, Fz, Kzz)
+        return Fz, Kzz
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_z_cache", None)
+        return state
 
     def _generic_cross_and_diag(self, x, R):
         parts, blocks = [], []
@@ -174,7 +192,7 @@ class NTKKernel(Kernel):
         """``s0^2 J(x) J(x)^T`` over all outputs of all points, (B C, B C), float64."""
         if self.structured:
             Fx = self._factors(x)
-            K = structured_cross_gram(Fx, Fx)
+            K = Fx.cross_gram()
         else:
             K = self.lin.kernel(x, n_outputs=self.n_outputs)
         return self._s0() * K
@@ -182,23 +200,28 @@ class NTKKernel(Kernel):
     # -- evaluation ------------------------------------------------------------------
     def _factors(self, x, out_idx=None, differentiable=False):
         """Factored Jacobian rows (all outputs, or ``out_idx``) at ``x``, network dtype."""
-        lin = self.lin
-        return lin.chain.features(lin._all_params, lin.buffers, x.to(lin.dtype), out_idx,
-                                  lin.names, differentiable=differentiable)
+        return self.lin.factored_jacobian(x, out_idx, differentiable=differentiable)
 
     def _rows(self, z, cz):
         """Jacobian rows ``grad g_cz[m](z_m)`` (M, P), float64, differentiable w.r.t. ``z``."""
+        zin = self._z_input(z)
+        return self.lin.jacobian_rows(zin, cz, differentiable=z.requires_grad).to(_F64)
+
+    def mean_offset(self, z, cz):
+        """``J_cz[m](z_m) theta_hat`` of shape (M,), float64, differentiable w.r.t. ``z``.
+
+        The linearised network's offset from its prior mean at the inducing pairs
+        (``g(x) = m0(x) + J(x) theta_hat``): the subspace model's mean term is its
+        norm in the inducing pairs' RKHS.
+        """
         lin = self.lin
-        zin = self._z_input(z).to(lin.dtype)
-        onehot = torch.nn.functional.one_hot(torch.as_tensor(cz, device=zin.device),
-                                             self.n_outputs).to(lin.dtype)
-
-        def out(p, zi, oi):
-            return (lin._g(p, zi.unsqueeze(0))[0] * oi).sum()
-
-        jac = vmap(jacrev(out), in_dims=(None, 0, 0))(lin.params, zin, onehot)
-        M = zin.shape[0]
-        return torch.cat([jac[n].reshape(M, -1) for n in lin.names], dim=1).to(_F64)
+        zin = self._z_input(z)
+        diff = bool(z.requires_grad and torch.is_grad_enabled())
+        if self.structured:
+            theta = {n: p.unsqueeze(0) for n, p in lin.params.items()}
+            return self._factors(zin, cz, differentiable=diff).matmul(theta)[:, 0].to(_F64)
+        rows = lin.jacobian_rows(zin, cz, differentiable=diff)
+        return (rows @ lin.flat_params()).to(_F64)
 
     def predictor(self, z, cz, W, method="auto"):
         """``x -> (Kxx blocks, Kxz W^T)`` with everything about ``Z`` precomputed.
@@ -233,7 +256,7 @@ class NTKKernel(Kernel):
 
             def predict(x):
                 Fx = self._factors(x)
-                V = structured_cross_gram(Fx, Fz) @ W.T
+                V = Fx.cross_gram(Fz) @ W.T
                 return s0 * Fx.diag_blocks(), s0 * V.view(x.shape[0], C, -1)
 
             return predict
@@ -252,51 +275,281 @@ class NTKKernel(Kernel):
 class VaLLAPosterior(FixedMeanGPPosterior):
     """VaLLA: the fixed-mean sparse GP of :mod:`sklearn_lla._posteriors.gp` with the scaled NTK.
 
+    The KL term is the complete ``KL(q(theta) || p(theta))`` of the weight-space
+    Gaussian the sparse GP stands for, ``q(theta) = N(theta_hat, s0^2 I - s0^4 J_Z^T A
+    J_Z)`` against the prior ``N(0, s0^2 I)``: the covariance part
+    ``1/2 logdet Hm - 1/2 tr(Kzz A)`` of the shared engine **plus the mean part**
+    ``||theta_hat||^2 / (2 s0^2)``. The papers drop the mean part (the mean is fixed),
+    which leaves the objective decreasing as ``s0^2 -> 0`` (their Appendix D) and
+    forces early stopping on held-out rows; with it ``s0^2`` has a finite optimum,
+    at ``alpha = 0`` the one of a lower bound on LLA's Laplace evidence.
+
     Parameters
     ----------
     prior_variance : float or "auto", default="auto"
-        ``s0^2``: fixed, or learned (``"auto"``) from ``||theta_hat||^2 / P``.
+        ``s0^2``: fixed, or learned (``"auto"``), initialised at ``||theta_hat||^2 / P``.
+    init : {"optimal", "identity"}, default="optimal"
+        Where Adam starts: ``"optimal"`` (:meth:`start`), or the papers' ``L = I``
+        with ``s0^2 = ||theta_hat||^2 / P`` and ``s2`` the network's mean squared
+        training residual.
     **kwargs
         The :class:`~sklearn_lla._posteriors.gp.FixedMeanGPPosterior` settings.
     """
 
-    def __init__(self, prior_variance="auto", **kwargs):
+    def __init__(self, prior_variance="auto", init="optimal", **kwargs):
         super().__init__(**kwargs)
         self.prior_setting = prior_variance
+        if init not in ("optimal", "identity"):
+            raise ValueError(f"init must be 'optimal' or 'identity', got {init!r}")
+        self.init = init
 
     def make_kernel(self, data, Z, cz):
         """The NTK kernel of ``data.lin``, with its initial prior variance."""
         lin = data.lin
         x0, _ = data.rows(np.arange(1))
+        theta = lin.flat_params().to(_F64)
+        self.theta_sq = float(theta @ theta)
+        self._weight_norm = False
         if isinstance(self.prior_setting, str):
-            theta = lin.flat_params().to(_F64)
-            s0 = max(float(theta @ theta) / lin.n_params, 1e-8)
-            learn = True
+            s0 = max(self.theta_sq / lin.n_params, 1e-8)
+            # classification: the weight-norm value, not learned (see the class notes)
+            learn = data.likelihood.task == "regression"
+            self._weight_norm = not learn
         else:
             s0, learn = float(self.prior_setting), False
         self.initial_prior_variance = s0
         return NTKKernel(lin, data.n_outputs, x0.shape[1:], s0, learn)
 
-    def _initial_noise(self, data, gen):
-        """The larger of the training and the held-out mean squared residuals.
+    def _mean_kl(self, kernel, Z, cz, Kzz):
+        """The mean part of the KL at ``Z`` (a tensor, differentiable).
 
-        A network usually fits its training rows more closely than new ones; starting
-        ``s2`` at the training residual makes the first validation check already find
-        a noise too small. Starting from the held-out residual (a value the objective
-        then lowers) lets early stopping halt where the validation NLL is best, the
-        paper's "relatively large" initialisation.
+        ``"full"``: ``||theta_hat||^2 / (2 s0^2)``. ``"subspace"``: the same for the
+        part of ``theta_hat`` in the subspace, ``||P_Z theta_hat||^2 / (2 s0^2) =
+        1/2 v^T Kzz^-1 v`` with ``v = J_Z theta_hat`` (``Kzz`` jittered as the model's).
         """
-        s2 = super()._initial_noise(data, gen)
-        val = data.validation
-        if val is not None and val.n_samples > 0:
-            s2 = max(s2, super()._initial_noise(val, gen))
-        return s2
+        if self.covariance == "full":
+            return 0.5 * self.theta_sq * torch.exp(-kernel.log_prior_variance)
+        v = kernel.mean_offset(Z, cz)  # (M,)
+        chol = cholesky(Kzz, "inducing kernel matrix", warn=False)
+        w = torch.linalg.solve_triangular(chol, v[:, None], upper=False)
+        return 0.5 * (w * w).sum()
+
+    def extra_loss(self, *, x, y, n_total, kernel, Kzz, terms, Kxx, Kxz, noise):
+        """The mean part of the KL (:meth:`_mean_kl`), per training row.
+
+        A constant when nothing it depends on is learned (``"full"`` with a fixed
+        ``s0^2``): then omitted from the loss (the reported ``kl`` includes it).
+        """
+        if self.covariance == "full" and not kernel.learn_prior:
+            return None
+        return self._mean_kl(kernel, self._Z_fit, self._cz_fit, Kzz) / n_total
+
+    def fit(self, data):
+        """Learn ``Z``, ``L``, ``s0^2`` and ``s2`` (see the class docstring)."""
+        super().fit(data)
+        with torch.no_grad():
+            Kzz = self.kernel.gram(self._Z, self._cz)
+            if self.covariance == "subspace":
+                Kzz = subspace_gram(Kzz)
+            mean_kl = float(self._mean_kl(self.kernel, self._Z, self._cz, Kzz))
+        self.hyper_trace = {**self.hyper_trace, "kl": float(self._kl) + mean_kl,
+                            "kl_covariance": float(self._kl), "kl_mean": mean_kl,
+                            "start": self.start_trace}
+        if self._weight_norm:
+            self.hyper_strategy = "weight_norm"
+            self.hyper_trace["prior_variance"] = np.array([self.prior_variance])
+        for name in ("_Z_fit", "_cz_fit"):
+            self.__dict__.pop(name, None)
+        self.kernel.__dict__.pop("_z_cache", None)
+        return self
+
+    def start(self, data, kernel, Z, cz, L_raw, log_noise):
+        """Start at the optimum for the k-means inducing points (Proposition 3).
+
+        On a seeded subset of at most :data:`START_ROWS` training rows (scaled to the
+        full ``N``), with ``Phi = (N / n) sum_n Kzn Lam_n Knz``, ``Lam_n`` the
+        likelihood's curvature at ``g(x_n)`` (``I / s2`` for regression, the softmax
+        Hessian for classification):
+
+        * ``L = chol(B)``, ``B = Kzz^-1 Phi Kzz^-1``: the papers' optimal factor
+          (Proposition 3; exact for the alpha = 0 Gaussian objective, the
+          Laplace / GGN sites otherwise). ``B`` does not depend on ``s0^2`` and scales
+          as ``1 / s2``; it is formed as ``R^T R`` from a QR factorisation (no
+          squared condition number), ``Kzz`` jittered (:data:`START_JITTER`, or the
+          subspace model's own jitter);
+        * then the learned ``log s0^2`` (and ``log s2``) minimise the objective on the
+          subset with ``L`` following ``s2`` (L-BFGS-B on one or two scalars: every
+          kernel matrix is linear in ``s0^2``).
+
+        Adam then refines everything from there instead of starting thousands of steps
+        away (``L = I`` against entries of order ``sqrt(N / (M s2))``; ``s0^2`` at
+        ``||theta||^2 / P``, a factor 5 to 200 from the optimum on the calibration
+        sets and the gap toy).
+        """
+        from scipy.optimize import minimize as scipy_minimize
+
+        self._Z_fit, self._cz_fit = Z, cz  # what extra_loss evaluates the mean term at
+        if self.init == "identity":
+            self.start_trace = {"init": "identity"}
+            return
+        lik = data.likelihood
+        regression = lik.task == "regression"
+        subspace = self.covariance == "subspace"
+        learn_s0, learn_s2 = kernel.learn_prior, log_noise is not None
+        C, M, N = data.n_outputs, Z.shape[0], data.n_samples
+        n = int(min(N, START_ROWS, max(1, START_ELEMENTS // max(1, C * M))))
+        perm = np.random.default_rng(self.random_state + 1).permutation(N)
+        idx = np.sort(perm[:n])
+        # the monitor scores rows the start did not fit, when there are any
+        idx_mon = np.sort(perm[n:2 * n]) if N > n else idx
+        s0 = kernel.prior_variance
+        with torch.no_grad():
+            Kzz = kernel.gram(Z, cz) / s0  # every kernel matrix in units of s0^2
+            Kxz, Kxx, mean, y = self._rows_matrices(data, kernel, Z, cz, idx, s0)
+            eye = torch.eye(M, dtype=_F64, device=Kzz.device)
+            Kj = subspace_gram(Kzz) if subspace else Kzz
+            Lk = cholesky(
+                Kj if subspace else Kzz + START_JITTER * float(Kzz.diagonal().mean()) * eye,
+                "inducing kernel matrix", warn=False)
+            # G = stacked Lam_n^(1/2)^T Kxz[n] (n C, M), Phi = (N / n) G^T G;
+            # B = Kzz^-1 Phi Kzz^-1 = F F^T with F = Kzz^-1 G^T, and L = R^T from F^T = Q R
+            G = Kxz if regression else lik.lam_factor(mean).transpose(1, 2) @ Kxz
+            G = G.reshape(n * C, M) * math.sqrt(N / n)
+            F = torch.cholesky_solve(G.T.contiguous(), Lk)
+            R = torch.linalg.qr(F.T, mode="r").R
+            if R.shape[0] < M:  # fewer rows than inducing pairs: B has low rank
+                R = torch.cat([R, R.new_zeros(M - R.shape[0], M)])
+            L1 = R.T * torch.where(torch.diagonal(R) < 0, -1.0, 1.0)[None, :]
+            prior1 = nystrom_blocks(Kxz, Lk) if subspace else Kxx
+            if subspace:
+                # v = J_Z theta_hat does not scale with s0^2: 1/2 v^T (s0^2 Kzz)^-1 v
+                w = torch.linalg.solve_triangular(Lk, kernel.mean_offset(Z, cz)[:, None],
+                                                  upper=False)
+                mean_kl1 = 0.5 * float((w * w).sum())  # the mean term times s0^2
+            else:
+                mean_kl1 = 0.5 * self.theta_sq
+        elik = self._energy_likelihood(lik)
+        eps = None
+        gen = torch.Generator().manual_seed(self.random_state + 2)
+        if self._needs_eps(elik):
+            eps = torch.randn((self.n_energy_samples, n, C), generator=gen,
+                              dtype=_F64).to(mean.device)
+        fixed_s2 = float(self.noise_variance) if regression and not learn_s2 else None
+        ls2_0 = (float(log_noise.detach()) if learn_s2 else
+                 math.log(fixed_s2) if regression else 0.0)
+        # u = [log kappa, (log s0^2), (log s2)]: L = kappa^(1/2) L1, kappa = 1 / s2 the
+        # exact optimum of the alpha = 0 Gaussian case, 1 the Laplace sites otherwise
+        u0 = [-ls2_0] + ([math.log(s0)] if learn_s0 else []) + ([ls2_0] if learn_s2 else [])
+
+        def unpack(u):
+            ls0 = u[1] if learn_s0 else torch.tensor(math.log(s0), dtype=_F64)
+            if not regression:
+                return u[0], ls0, None
+            return u[0], ls0, u[-1] if learn_s2 else torch.tensor(ls2_0, dtype=_F64)
+
+        def factor(lk):
+            return L1 * torch.exp(0.5 * lk)
+
+        @torch.enable_grad()
+        def objective(uv):
+            u = torch.tensor(uv, dtype=_F64, requires_grad=True)
+            lk, ls0, ls2 = unpack(u)
+            s0_ = torch.exp(ls0)
+            terms = variational_terms(s0_ * Kj, factor(lk))
+            cov = latent_cov(s0_ * prior1, (s0_ * Kxz) @ terms.W.T)
+            e = alpha_energy(elik, mean, cov, y, alpha=self.alpha,
+                             noise=None if ls2 is None else torch.exp(ls2), eps=eps)
+            loss = -e.mean() + (terms.kl + mean_kl1 / s0_) / N
+            loss.backward()
+            v = float(loss.detach())
+            if not math.isfinite(v):
+                return 1e300, np.zeros(len(uv))
+            return v, u.grad.numpy().copy()
+
+        trace = {"rows": n}
+        u = np.asarray(u0, dtype=np.float64)
+        res = scipy_minimize(objective, u, jac=True, method="L-BFGS-B",
+                             bounds=[(v - 25.0, v + 25.0) for v in u],
+                             options={"maxiter": 200})
+        u = res.x
+        trace.update(objective=float(res.fun), converged=bool(res.success),
+                     n_evaluations=int(res.nfev))
+        with torch.no_grad():
+            lk, ls0, ls2 = unpack(torch.as_tensor(u, dtype=_F64))
+            if learn_s0:
+                kernel.log_prior_variance.copy_(ls0)
+            if learn_s2:
+                log_noise.copy_(ls2)
+            L_raw.copy_(factor(lk))
+        trace["prior_variance"] = kernel.prior_variance
+        trace["factor_scale"] = float(torch.exp(lk))
+        if ls2 is not None:
+            trace["noise_variance"] = float(torch.exp(ls2))
+        self.start_trace = trace
+        if not Z.requires_grad:  # Z stays: precompute the monitor's kernel matrices
+            if idx_mon is not idx:
+                with torch.no_grad():
+                    Kxz, Kxx, mean, y = self._rows_matrices(data, kernel, Z, cz, idx_mon, s0)
+                    prior1 = nystrom_blocks(Kxz, Lk) if subspace else Kxx
+                if eps is not None:
+                    eps = torch.randn((self.n_energy_samples, len(idx_mon), C), generator=gen,
+                                      dtype=_F64).to(mean.device)
+            self._subset = dict(Kj=Kj, prior=prior1, Kxz=Kxz, mean=mean, y=y, eps=eps,
+                                elik=elik, mean_kl=mean_kl1, n_total=N)
+            trace["monitor_rows"] = len(idx_mon)
+
+    def _rows_matrices(self, data, kernel, Z, cz, idx, s0):
+        """``(Kxz, Kxx) / s0^2``, ``g`` and ``y`` at training rows ``idx`` (no graph)."""
+        ys, Kxz, Kxx, means = [], [], [], []
+        for i in range(0, len(idx), 256):
+            x, y = data.rows(idx[i:i + 256])
+            kxz, kxx = kernel.cross_and_diag(x, Z, cz)
+            Kxz.append(kxz / s0)
+            Kxx.append(kxx / s0)
+            means.append(self._mean(data.lin, x))
+            ys.append(y)
+        return tuple(torch.cat(t) for t in (Kxz, Kxx, means, ys))
+
+    def monitor(self, kernel, Z, cz, L_raw, noise):
+        """The objective on a fixed subset of the training rows, exactly (``Z`` fixed).
+
+        The subset holds up to :data:`START_ROWS` rows that :meth:`start` did not use
+        (all rows when ``N`` is at most that): an unbiased estimate of the objective
+        that does not favour the start. Every kernel matrix of the subset is linear in
+        ``s0^2`` and ``Z`` does not move, so a check only redoes the ``M x M`` algebra
+        and the energy with the current ``s0^2``, ``L`` and ``s2`` (Monte Carlo draws
+        fixed): a score without minibatch noise, compared with ``tol``. With learned
+        inducing inputs (or ``init="identity"``), the minibatch loss averaged between
+        checks.
+        """
+        sub = self.__dict__.pop("_subset", None)
+        if sub is None:
+            return "loss"
+
+        def score():
+            s0 = torch.exp(kernel.log_prior_variance)
+            terms = variational_terms(s0 * sub["Kj"], L_raw)
+            cov = latent_cov(s0 * sub["prior"], (s0 * sub["Kxz"]) @ terms.W.T)
+            e = alpha_energy(sub["elik"], sub["mean"], cov, sub["y"], alpha=self.alpha,
+                             noise=noise(), eps=sub["eps"])
+            return float((-e.mean() + (terms.kl + sub["mean_kl"] / s0) / sub["n_total"])
+                         .detach())
+
+        return score
 
     def predict_joint(self, x):
-        """Mean (B, C) and joint latent covariance ``Kxx - Kxz A Kzx`` (B C, B C)."""
-        mean = self._mean(self._lin, x)
-        with torch.no_grad():
-            K = self.kernel.joint(x)
+        """Mean (B, C) and joint latent covariance ``Kxx - Kxz A Kzx`` (B C, B C).
+
+        With ``covariance="subspace"`` the prior block is the Nystrom ``Qxx``.
+        """
+        with torch_threads(FIT_THREADS), torch.no_grad():
+            mean = self._mean(self._lin, x)
             _, V = self._predict_fn(x)
             V = V.reshape(-1, V.shape[-1]).to(_F64)
+            m = self._n_w
+            if V.shape[-1] == m:
+                K = self.kernel.joint(x)
+            else:
+                U, V = V[:, m:], V[:, :m]
+                K = U @ U.T
         return mean, joint_cov(K, V)

@@ -19,13 +19,23 @@ Classification metrics take labels ``y`` and predicted probabilities ``proba``:
 - :func:`brier_score` -- the multi-class Brier score;
 - :func:`predictive_entropy` and :func:`ood_auc` for out-of-distribution detection.
 
+Prediction intervals and sets (from ``predict_interval`` / ``predict_set``, see
+the conformal page of the docs):
+
+- :func:`interval_coverage`, :func:`mean_interval_width` and
+  :func:`interval_score` (alias :func:`winkler_score`) for intervals;
+- :func:`set_coverage` and :func:`mean_set_size` for classification sets.
+
 The scorers (``neg_*_scorer``) follow scikit-learn's "greater is better"
 convention and can be passed as ``scoring=`` to
 :class:`~sklearn.model_selection.GridSearchCV` or
 :func:`~sklearn.model_selection.cross_validate`, alone or in a dict.
 Regression scorers call ``estimator.predict(X, return_std=True)``, which
-:func:`sklearn.metrics.make_scorer` cannot do. :func:`get_scorer` resolves the
-names of these scorers and falls back to :func:`sklearn.metrics.get_scorer`.
+:func:`sklearn.metrics.make_scorer` cannot do; the interval and set scorers call
+``predict_interval`` / ``predict_set``. :func:`get_scorer` resolves the names of
+these scorers and falls back to :func:`sklearn.metrics.get_scorer`;
+a list of names gives a dict ``{name: scorer}`` for ``scoring=`` (scikit-learn
+accepts only its own scorer *names* as strings).
 """
 
 from __future__ import annotations
@@ -38,6 +48,22 @@ from ._classification import (
     predictive_entropy,
     reliability_curve,
 )
+from ._interval_scorers import (
+    interval_coverage_scorer,
+    neg_interval_score_scorer,
+    neg_mean_interval_width_scorer,
+    neg_mean_set_size_scorer,
+    set_coverage_scorer,
+)
+from ._intervals import (
+    interval_coverage,
+    interval_score,
+    mean_interval_width,
+    mean_set_size,
+    set_coverage,
+    winkler_score,
+)
+from ._names import get_scorer, get_scorer_names
 from ._regression import (
     calibration_curve_regression,
     centered_quantile_metric,
@@ -46,7 +72,6 @@ from ._regression import (
     gaussian_nll,
 )
 from ._scorers import (
-    get_scorer,
     neg_brier_scorer,
     neg_cqm_scorer,
     neg_crps_scorer,
@@ -69,6 +94,13 @@ __all__ = [
     "brier_score",
     "predictive_entropy",
     "ood_auc",
+    # interval and set metrics
+    "interval_coverage",
+    "mean_interval_width",
+    "interval_score",
+    "winkler_score",
+    "set_coverage",
+    "mean_set_size",
     # scorers
     "neg_cqm_scorer",
     "neg_nll_scorer",
@@ -76,6 +108,12 @@ __all__ = [
     "neg_ece_scorer",
     "neg_brier_scorer",
     "neg_log_loss_scorer",
+    "interval_coverage_scorer",
+    "neg_mean_interval_width_scorer",
+    "neg_interval_score_scorer",
+    "set_coverage_scorer",
+    "neg_mean_set_size_scorer",
     "get_scorer",
+    "get_scorer_names",
 ]
 

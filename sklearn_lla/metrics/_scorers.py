@@ -7,10 +7,8 @@ Regression scorers call ``estimator.predict(X, return_std=True)``, which
 
 from __future__ import annotations
 
-import copy
 import inspect
 
-from sklearn.metrics import get_scorer as _sk_get_scorer
 from sklearn.metrics import log_loss as _sk_log_loss
 
 from ._classification import brier_score, expected_calibration_error
@@ -469,7 +467,8 @@ neg_log_loss_scorer = _ProbaScorer(
     """,
 )
 
-_SCORERS = {
+#: This module's scorers by name (:mod:`._names` resolves names).
+SCORERS = {
     "neg_cqm": neg_cqm_scorer,
     "neg_nll": neg_nll_scorer,
     "neg_crps": neg_crps_scorer,
@@ -480,51 +479,4 @@ _SCORERS = {
 
 # The scorers are objects, not functions or classes, so ``--doctest-modules``
 # would not find their examples on its own.
-__test__ = {f"{key}_scorer": scorer.__doc__ for key, scorer in _SCORERS.items()}
-
-
-def get_scorer(scoring):
-    """Resolve a scorer name, including this module's uncertainty scorers.
-
-    Parameters
-    ----------
-    scoring : str or callable
-        One of ``"neg_cqm"``, ``"neg_nll"``, ``"neg_crps"``, ``"neg_ece"``,
-        ``"neg_brier"``, ``"neg_log_loss"`` (optionally with a ``"_scorer"``
-        suffix), any name known to :func:`sklearn.metrics.get_scorer`, or a
-        callable, which is returned unchanged. Note that ``"neg_log_loss"``
-        resolves to :data:`neg_log_loss_scorer`, which gives the same values as
-        scikit-learn's scorer of that name.
-
-    Returns
-    -------
-    scorer : callable
-        ``scorer(estimator, X, y) -> float``, greater is better. A fresh copy
-        for names, as :func:`sklearn.metrics.get_scorer` returns.
-
-    Raises
-    ------
-    ValueError
-        If ``scoring`` is a string that names no known scorer.
-
-    See Also
-    --------
-    sklearn.metrics.get_scorer : The fallback for scikit-learn's names.
-
-    Examples
-    --------
-    >>> from sklearn_lla.metrics import get_scorer
-    >>> get_scorer("neg_cqm")
-    <_StdScorer 'neg_cqm': -centered_quantile_metric(y, *estimator.predict(X, return_std=True))>
-    >>> "expected_calibration_error" in repr(get_scorer("neg_ece_scorer"))
-    True
-    >>> get_scorer("r2")
-    make_scorer(r2_score, response_method='predict')
-    """
-    if callable(scoring):
-        return scoring
-    if isinstance(scoring, str):
-        key = scoring[: -len("_scorer")] if scoring.endswith("_scorer") else scoring
-        if key in _SCORERS:
-            return copy.deepcopy(_SCORERS[key])
-    return _sk_get_scorer(scoring)
+__test__ = {f"{key}_scorer": scorer.__doc__ for key, scorer in SCORERS.items()}

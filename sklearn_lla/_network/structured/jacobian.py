@@ -64,6 +64,29 @@ class LayerFactor:
         return (self.weight_name, self.bias_name, self.delta.shape[1], self.act.shape[1])
 
 
+class _FlushingCast(torch.autograd.Function):
+    """``t.to(float64)`` whose backward flushes subnormal gradient entries to zero."""
+
+    @staticmethod
+    def forward(ctx, t):
+        ctx.dtype = t.dtype
+        return t.to(_F64)
+
+    @staticmethod
+    def backward(ctx, grad):
+        tiny = torch.finfo(ctx.dtype).tiny
+        return grad.masked_fill(grad.abs() < tiny, 0.0).to(ctx.dtype)
+
+
+def _to_f64(t: Tensor) -> Tensor:
+    """``t`` in float64; gradients back to a lower precision skip subnormals."""
+    if t.dtype == _F64:
+        return t
+    if t.requires_grad:
+        return _FlushingCast.apply(t)
+    return t.to(_F64)
+
+
 def _act_sq_norm(act: Tensor, has_weight: bool, has_bias: bool) -> Tensor | float:
     """``[W] |a(x)|^2 + [b]`` per point: the input side of a row's squared norm."""
     if not has_weight:
@@ -187,6 +210,48 @@ class StructuredJacobian:
                 else:
                     DD = DD.view(B1, k1, B2, k2).mul_(K[:, None, :, None]).view(B1 * k1, B2 * k2)
             G = DD if G is None else G.add_(DD)
+        return G
+
+    def cross_gram(self, other: StructuredJacobian | None = None) -> Tensor:
+        """Differentiable cross-Gram matrix ``J_self @ J_other^T``, in float64.
+
+        The autograd twin of :meth:`gram` (which works in place and builds no graph):
+        out-of-place operations only, so gradients flow to whichever factors require
+        them (e.g. factors built with ``differentiable=True`` at inducing inputs that
+        are being learned). Each layer's two products are formed in the factors' dtype
+        and combined in float64; on the way back, gradient entries below the smallest
+        normal number of a float32 (or float16) factor are flushed to zero before
+        the cast (subnormal operands slow a CPU matrix product down by two orders of
+        magnitude, and such entries are below that dtype's resolution anyway).
+
+        Parameters
+        ----------
+        other : StructuredJacobian, optional
+            Rows of the same network; defaults to ``self``.
+
+        Returns
+        -------
+        Tensor of shape (n_rows_self, n_rows_other), dtype float64
+            The inner products of the rows.
+        """
+        if other is None:
+            other = self
+        self._check_compatible(other)
+        B1, k1 = self.n_points, self.rows_per_point
+        B2, k2 = other.n_points, other.rows_per_point
+        G = None
+        for la, lb in zip(self.layers, other.layers):
+            DD = _to_f64(la.delta @ lb.delta.T)  # (B1 k1, B2 k2)
+            if la.has_weight:
+                K = _to_f64(la.act @ lb.act.T)  # (B1, B2)
+                if la.has_bias:
+                    K = K + 1.0
+                if k1 == 1 and k2 == 1:
+                    DD = DD * K
+                else:
+                    DD = (DD.view(B1, k1, B2, k2) * K[:, None, :, None]).reshape(B1 * k1,
+                                                                               B2 * k2)
+            G = DD if G is None else G + DD
         return G
 
     def diag(self) -> Tensor:

@@ -1,0 +1,312 @@
+"""Calibration on held-out rows that keeps the posterior: noise variance and temperature.
+
+Issue 19's rule: a criterion scored on held-out rows may choose between candidates
+only if it cannot be won by deleting the posterior. Both calibrations here keep the
+latent covariance ``S(x)`` the posterior produced and move one scalar:
+
+* regression, the **noise variance** ``s2`` of the predictive ``N(g(x), S(x) + s2 I)``
+  (the part the network's residuals on new data measure and training rows cannot:
+  a net that fitted its training rows has residuals there far below those on new
+  data);
+* classification, a **temperature** ``T`` of the latent, ``f / T`` with
+  ``f ~ N(g(x), S(x))`` (temperature scaling, Guo et al. 2017, applied to the whole
+  Laplace predictive: the ratio of posterior spread to logit scale is kept, so the
+  posterior's effect away from the data survives).
+
+Each is the minimiser of the held-out NLL over a bounded interval of ``log s2`` /
+``log T`` (scipy's bounded Brent search on a smooth 1-D function), reported with a
+:class:`~sklearn_lla._core.hyper.HyperparameterWarning` when it ends at a bound.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import torch
+from scipy.optimize import minimize_scalar
+
+from .hyper import HyperparameterWarning
+
+__all__ = ["CALIBRATION_ROWS", "held_out_predictive", "calibrate_noise",
+           "calibrate_temperature", "gaussian_nll_curve"]
+
+#: Held-out rows (at most) read by a calibration; beyond, a random subset this large
+#: (a 1-D scalar is estimated: 20,000 rows pin it to well under 1 % relative error).
+CALIBRATION_ROWS = 20_000
+
+#: Search interval of the noise variance, relative to the network's mean squared
+#: residual on the held-out rows.
+NOISE_RANGE = (1e-6, 1e2)
+
+#: Search interval of the temperature.
+TEMPERATURE_RANGE = (1e-2, 1e2)
+
+#: Folds of the out-of-fold check that keeps a fitted temperature only where it helps.
+CALIBRATION_FOLDS = 5
+
+
+def held_out_predictive(posterior, validation, *, max_rows=CALIBRATION_ROWS,
+                        generator=None):
+    """The latent predictive of ``posterior`` on (a subset of) the held-out rows.
+
+    Parameters
+    ----------
+    posterior : Posterior
+        A fitted posterior (its :meth:`predict` is called per batch).
+    validation : FitData
+        The held-out rows.
+    max_rows : int, default=CALIBRATION_ROWS
+        Rows read at most: a random subset (from ``generator``) beyond.
+    generator : torch.Generator, optional
+        Random source of the subset.
+
+    Returns
+    -------
+    mean : Tensor of shape (n, C)
+    cov : Tensor of shape (n, C, C)
+    y : Tensor
+        The targets of those rows.
+    """
+    n = validation.n_samples
+    if n > max_rows:
+        gen = generator if generator is not None else torch.Generator().manual_seed(0)
+        rows = np.sort(torch.randperm(n, generator=gen)[:max_rows].numpy())
+    else:
+        rows = np.arange(n)
+    means, covs, ys = [], [], []
+    bs = validation.batch_size
+    for start in range(0, len(rows), bs):
+        x, y = validation.rows(rows[start:start + bs])
+        with torch.no_grad():
+            lp = posterior.predict(x)
+        means.append(lp.mean.double().cpu())
+        covs.append(lp.cov.double().cpu())
+        ys.append(y.cpu())
+    mean, cov, y = torch.cat(means), torch.cat(covs), torch.cat(ys)
+    if not (bool(torch.isfinite(mean).all()) and bool(torch.isfinite(cov).all())):
+        raise FloatingPointError("the predictive is not finite on the held-out rows; check "
+                                 "the network's outputs on them")
+    return mean, cov, y
+
+
+def _bounded_log_search(f, lo, hi, what):
+    """Minimise ``f(log v)`` over ``[log lo, log hi]``; warn when it ends at a bound."""
+    a, b = math.log(lo), math.log(hi)
+    # a coarse grid first (the NLL can have a flat region), then Brent around the best
+    grid = np.linspace(a, b, 41)
+    vals = np.array([f(u) for u in grid])
+    vals = np.where(np.isfinite(vals), vals, np.inf)
+    if not np.isfinite(vals).any():
+        raise FloatingPointError(f"the held-out NLL is not finite for any {what}")
+    i = int(np.argmin(vals))
+    lo_i, hi_i = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+    res = minimize_scalar(f, bounds=(lo_i, hi_i), method="bounded",
+                          options={"xatol": 1e-4})
+    u, val = (float(res.x), float(res.fun)) if res.fun <= vals[i] else (grid[i], vals[i])
+    at_edge = (i == 0 and u - a < 1e-3) or (i == len(grid) - 1 and b - u < 1e-3)
+    return u, val, at_edge, grid, vals
+
+
+def gaussian_nll_curve(mean, cov, y):
+    """``s2 -> mean held-out NLL`` of ``N(mean, cov + s2 I)`` (one eigendecomposition).
+
+    Parameters
+    ----------
+    mean : Tensor of shape (n, C)
+    cov : Tensor of shape (n, C, C)
+    y : Tensor of shape (n, C)
+
+    Returns
+    -------
+    callable
+        ``nll(s2) -> float``.
+    """
+    r = (y.reshape(mean.shape).double() - mean)
+    if mean.shape[1] == 1:
+        lam = cov.reshape(-1).clamp_min(0.0)
+        z2 = (r * r).reshape(-1, 1)
+        lam = lam.reshape(-1, 1)
+    else:
+        lam, U = torch.linalg.eigh(0.5 * (cov + cov.transpose(1, 2)))
+        lam = lam.clamp_min(0.0)
+        z2 = torch.einsum("bcj,bc->bj", U, r) ** 2
+    lam_np, z2_np = lam.numpy(), z2.numpy()
+    C = mean.shape[1]
+
+    def nll(s2):
+        v = lam_np + s2
+        return float(0.5 * (np.log(v) + z2_np / v).sum(1).mean() + 0.5 * C * math.log(2 * math.pi))
+
+    return nll
+
+
+def calibrate_noise(mean, cov, y, *, warn=True):
+    """The noise variance minimising the held-out Gaussian NLL, the latent ``cov`` fixed.
+
+    Parameters
+    ----------
+    mean : Tensor of shape (n, C)
+        The network's outputs on the held-out rows.
+    cov : Tensor of shape (n, C, C)
+        The posterior's latent covariance there.
+    y : Tensor of shape (n, C)
+        The targets.
+    warn : bool, default=True
+        Warn when the optimum sits on a bound of the search interval.
+
+    Returns
+    -------
+    s2 : float
+    trace : dict
+        The candidates tried, their scores, the network's own mean squared residual.
+    """
+    r = y.reshape(mean.shape).double() - mean
+    mse = max(float((r * r).mean()), 1e-300)
+    nll = gaussian_nll_curve(mean, cov, y)
+    lo, hi = mse * NOISE_RANGE[0], mse * NOISE_RANGE[1]
+    u, val, at_edge, grid, vals = _bounded_log_search(lambda u: nll(math.exp(u)), lo, hi,
+                                                      "noise variance")
+    s2 = math.exp(u)
+    if warn and at_edge:
+        if u < 0.5 * (math.log(lo) + math.log(hi)):
+            msg = ("the noise variance calibrated on the held-out rows is at the lower bound "
+                   f"{lo:.3g} of its range: the posterior's latent variance alone already "
+                   "exceeds the network's squared residuals there, so the prior variance is "
+                   "too broad for these rows; pass a smaller prior_variance if the intervals "
+                   "are too wide")
+        else:
+            msg = (f"the noise variance calibrated on the held-out rows is at the upper bound "
+                   f"{hi:.3g} of its range (100 x the network's mean squared residual there); "
+                   "check that the held-out targets are on the training targets' scale")
+        warnings.warn(msg, HyperparameterWarning, stacklevel=3)
+    trace = {"noise_variance": np.exp(grid), "score": vals, "best_score": val,
+             "mse_held_out": mse, "n_rows": int(mean.shape[0])}
+    return s2, trace
+
+
+def _sharpest_temperature(likelihood, mean, cov, eps, lo, hi):
+    """The smallest ``T`` whose mean confidence does not exceed the raw network's.
+
+    Tempering below 1 sharpens the predictive; it may undo the posterior's spread in
+    distribution but never make the predictive more confident than the network
+    itself (with few or no held-out errors the held-out NLL keeps falling as
+    ``T -> 0``: its minimiser is then not identified by the data). The mean
+    confidence ``mean_x max_c p_T(c | x)`` decreases in ``T`` (the probit scale
+    ``1 / sqrt(T^2 + pi v / 8)`` does), so the bound is found by bisection in
+    ``log T``.
+    """
+    with torch.no_grad():
+        raw = float(likelihood.with_temperature(1.0).predict(mean, torch.zeros_like(cov),
+                                                            eps=eps).max(-1).values.mean())
+
+        def conf(u):
+            p = likelihood.with_temperature(math.exp(u)).predict(mean, cov, eps=eps)
+            return float(p.max(-1).values.mean())
+
+        a, b = math.log(lo), 0.0
+        if conf(b) >= raw:  # already at least as confident as the net: no sharpening
+            return 1.0, raw
+        if conf(a) <= raw:
+            return lo, raw
+        for _ in range(40):
+            mid = 0.5 * (a + b)
+            if conf(mid) > raw:
+                a = mid
+            else:
+                b = mid
+        return math.exp(b), raw
+
+
+def calibrate_temperature(likelihood, mean, cov, y, *, eps=None, warn=True):
+    """The temperature minimising the held-out NLL of the tempered predictive, if it helps.
+
+    The fitted temperature is kept only when, fitted on 4/5 of the rows, it beats
+    ``T = 1`` on the other fifth, summed over the five folds; otherwise ``T = 1``.
+    The search runs over ``[T_min, 100]``, ``T_min`` the smallest temperature whose
+    mean confidence on the held-out rows does not exceed the raw network's (see
+    :func:`_sharpest_temperature`): a temperature can take back the spread the posterior
+    adds in distribution, not make the predictive sharper than the network.
+
+    Parameters
+    ----------
+    likelihood : Categorical or Bernoulli
+        The classification likelihood (its link approximation is used).
+    mean : Tensor of shape (n, C)
+    cov : Tensor of shape (n, C, C)
+    y : Tensor of shape (n,)
+        Class indices.
+    eps : Tensor, optional
+        Fixed standard normal draws for ``link_approx="mc"`` (common random numbers
+        make the NLL a smooth function of ``T``).
+    warn : bool, default=True
+        Warn when the optimum sits on the upper bound of the search interval.
+
+    Returns
+    -------
+    temperature : float
+    trace : dict
+    """
+    lo, hi = TEMPERATURE_RANGE
+
+    def fit(rows):
+        m, c, t = mean[rows], cov[rows], y[rows]
+        e = None if eps is None else eps[:, rows]
+
+        def nll(u):
+            lik = likelihood.with_temperature(math.exp(u))
+            with torch.no_grad():
+                return float(-lik.log_predictive(m, c, t, eps=e).mean())
+
+        t_min, raw_conf = _sharpest_temperature(likelihood, m, c, e, lo, hi)
+        return _bounded_log_search(nll, t_min, hi, "temperature"), t_min, raw_conf
+
+    def nll_at(T, rows):
+        e = None if eps is None else eps[:, rows]
+        with torch.no_grad():
+            return float(-likelihood.with_temperature(T).log_predictive(
+                mean[rows], cov[rows], y[rows], eps=e).sum())
+
+    n = int(mean.shape[0])
+    everything = torch.arange(n)
+    (u, val, at_edge, grid, vals), t_min, raw_conf = fit(everything)
+    # Kept only where it helps out of sample: a temperature fitted on the other folds
+    # must beat T = 1 on each held-out fold, summed over CALIBRATION_FOLDS folds (with
+    # few held-out errors the NLL's minimiser is driven by the correctly classified
+    # rows alone and does not generalise: breast cancer, 114 rows, chose T = 0.01 and
+    # test NLL went from 0.108 to 0.141).
+    folds = min(CALIBRATION_FOLDS, n)
+    oof_fit = oof_one = 0.0
+    for k in range(folds):
+        test = everything[k::folds]
+        train = everything[torch.arange(n) % folds != k]
+        (uk, *_), *_ = fit(train)
+        oof_fit += nll_at(math.exp(uk), test)
+        oof_one += nll_at(1.0, test)
+    helps = oof_fit < oof_one
+    T = math.exp(u) if helps else 1.0
+    if warn and helps and at_edge and u > 0:
+        warnings.warn(f"the temperature calibrated on the held-out rows is at the upper bound "
+                      f"{hi:g} of its range: the predictive is near uniform; check that the "
+                      "held-out labels are the network's classes", HyperparameterWarning,
+                      stacklevel=3)
+    elif warn and helps and u - math.log(lo) < 1e-3 and \
+            nll_at(lo, everything) < nll_at(2.0 * lo, everything) - 1e-4 * n:
+        # At small T the probit scale 1 / sqrt(T^2 + pi v / 8) no longer depends on T
+        # for rows with v >> T^2: the NLL is flat there and its minimiser sits on the
+        # bound without meaning anything. Warn only when the bound still matters (the
+        # NLL still falls by more than 1e-4 per row from 2 T_lo to T_lo).
+        warnings.warn(f"the temperature calibrated on the held-out rows is at the lower bound "
+                      f"{lo:g} of its range and the held-out NLL still falls there: the "
+                      "posterior's spread is wider than the held-out errors call for (the "
+                      "predictive stays less confident than the network). Pass a smaller "
+                      "prior_variance than prior_variance_ if in-distribution confidence "
+                      "matters more than behaviour off the data", HyperparameterWarning,
+                      stacklevel=3)
+    trace = {"temperature": np.exp(grid), "score": vals, "best_score": nll_at(T, everything) / n,
+             "fitted_temperature": math.exp(u), "kept": bool(helps),
+             "out_of_fold_nll": oof_fit / n, "out_of_fold_nll_at_1": oof_one / n,
+             "score_at_1": nll_at(1.0, everything) / n, "min_temperature": t_min,
+             "raw_confidence": raw_conf, "n_rows": n}
+    return T, trace
