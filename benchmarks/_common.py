@@ -6,15 +6,21 @@
 * :func:`run_child` runs a function of a benchmark script in a fresh subprocess and
   returns the JSON it printed (clean peak RSS per measurement);
 * :func:`estimator_classes` lists the estimators exported by ``sklearn_lla``;
-* :func:`markdown_table` formats rows.
+* :func:`markdown_table` formats rows;
+* :func:`train_skorch_mlp` trains the skorch MLP of the calibration and budget
+  benchmarks, :func:`skorch_split_rows` replays its internal validation split;
+* :func:`time_limit` bounds a call's wall time, :func:`warning_summary` and
+  :func:`fitted_hypers` describe a fit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import threading
@@ -30,6 +36,12 @@ __all__ = [
     "accepts_validation_data",
     "markdown_table",
     "fmt",
+    "train_skorch_mlp",
+    "skorch_split_rows",
+    "BenchTimeout",
+    "time_limit",
+    "warning_summary",
+    "fitted_hypers",
 ]
 
 
@@ -183,3 +195,119 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     lines += ["| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in r) + " |"
               for r in cells]
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------- skorch nets
+def train_skorch_mlp(X, y, classification, n_outputs, *, hidden=(50, 50), lr=3e-3,
+                     weight_decay=1e-4, max_epochs=200, batch_size=128, seed=0,
+                     holdout=True):
+    """A skorch ``NeuralNetRegressor`` / ``NeuralNetClassifier`` on ``sklearn_lla.nets.MLP``.
+
+    tanh hidden layers, float32, Adam, ``MSELoss`` (``y`` one column) or
+    ``CrossEntropyLoss`` on logits, ``torch.manual_seed(seed)`` (the global torch
+    generator is restored afterwards). ``holdout=True`` keeps skorch's default
+    ``train_split`` (5-fold ``ValidSplit``: 20 % of the rows never trained on);
+    ``holdout=False`` passes ``train_split=None`` (the net fits every row).
+    """
+    import numpy as np
+    import torch
+    from skorch import NeuralNetClassifier, NeuralNetRegressor
+
+    from sklearn_lla.nets import MLP
+
+    kw = dict(module=MLP, module__n_features=X.shape[1], module__n_outputs=n_outputs,
+              module__hidden_layer_sizes=tuple(hidden), optimizer=torch.optim.Adam, lr=lr,
+              optimizer__weight_decay=weight_decay, max_epochs=max_epochs,
+              batch_size=batch_size, verbose=0)
+    if not holdout:
+        kw["train_split"] = None
+    X = np.asarray(X, dtype=np.float32)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        if classification:
+            net = NeuralNetClassifier(criterion=torch.nn.CrossEntropyLoss, **kw)
+            net.fit(X, np.asarray(y, dtype=np.int64))
+        else:
+            net = NeuralNetRegressor(**kw)
+            net.fit(X, np.asarray(y, dtype=np.float32).reshape(len(X), -1))
+    return net
+
+
+def skorch_split_rows(net, X, y):
+    """``(train_rows, valid_rows)`` of a fitted skorch net's own ``train_split`` on ``(X, y)``.
+
+    The split is replayed with the net's ``train_split`` (deterministic for skorch's
+    default ``ValidSplit(5)``); ``None`` when the net has no ``train_split``.
+    """
+    import numpy as np
+    from skorch.dataset import Dataset
+
+    if net.train_split is None:
+        return None
+    y = np.asarray(y)
+    ds_train, ds_valid = net.train_split(Dataset(np.zeros((len(X), 1)), y), y)
+    return (np.sort(np.asarray(ds_train.indices, dtype=np.int64)),
+            np.sort(np.asarray(ds_valid.indices, dtype=np.int64)))
+
+
+# ------------------------------------------------------------------ fit helpers
+class BenchTimeout(BaseException):
+    """Raised by :func:`time_limit` (a ``BaseException``: ``except Exception`` misses it)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds):
+    """Raise :class:`BenchTimeout` in the main thread after ``seconds`` (``None`` / 0: off).
+
+    Uses ``SIGALRM`` (POSIX, main thread only): Python code is interrupted at the
+    next bytecode, a long torch kernel when it returns.
+    """
+    if not seconds or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def _raise(signum, frame):
+        raise BenchTimeout(f"wall time limit of {seconds:g} s reached")
+
+    old = signal.signal(signal.SIGALRM, _raise)
+    signal.setitimer(signal.ITIMER_REAL, float(seconds))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def warning_summary(caught, width: int = 100):
+    """Distinct ``"Class: first width chars"`` of caught warnings (deprecations dropped),
+    with a ``" (xN)"`` suffix for repeats, in first-seen order."""
+    counts = {}
+    for w in caught:
+        if issubclass(w.category, (DeprecationWarning, FutureWarning)):
+            continue
+        key = f"{w.category.__name__}: {str(w.message)[:width]}".replace("\n", " ")
+        counts[key] = counts.get(key, 0) + 1
+    return [k + (f" (x{n})" if n > 1 else "") for k, n in counts.items()]
+
+
+_HYPERS = ("prior_variance_", "noise_variance_", "temperature_", "hyper_strategy_",
+           "validation_source_", "n_iter_", "n_components_")
+
+
+def fitted_hypers(est) -> dict:
+    """The fitted hyperparameters an estimator has (JSON-friendly), by ``getattr``."""
+    import numpy as np
+
+    out = {}
+    for name in _HYPERS:
+        v = getattr(est, name, None)
+        if v is None:
+            continue
+        if isinstance(v, np.ndarray):
+            v = v.tolist() if v.size <= 10 else f"array{v.shape}"
+        elif isinstance(v, np.generic):
+            v = v.item()
+        elif not isinstance(v, (int, float, str, bool, list)):
+            v = str(v)
+        out[name.rstrip("_")] = v
+    return out

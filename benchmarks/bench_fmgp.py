@@ -1,29 +1,44 @@
-"""FMGP benchmark on a Year-shaped problem (issue 10).
+"""FMGP benchmarks: step costs, the defaults in situations (b) / (c), a Year-shaped run.
 
-Setting: N = 200,000 training rows x 90 features (the synthetic Year-shaped generator
-of ``bench_ella.py``), 20,000 validation rows (held out from the network), 10,000
-test rows, a 3 x 200 tanh MLP (P = 98,801) trained with Adam; 2 threads. Printed:
+Four parts (``--part``, default ``steps,situations``; ``situations`` runs ``gap`` too
+unless ``--no-gap``):
 
-* time per Adam step of ``FMGPRegressor`` at N = 200,000 and N = 20,000 (the
-  optimisation loop's wall time over 200 steps, initialisation excluded; it must not
-  depend on N; target <= 25 ms);
-* the fit time of the defaults (early stopping on the validation rows) and its steps;
-* predict time with ``return_std=True`` relative to the bare forward pass
-  (``predict(X)``, the same batches of 100 rows; best of 3; target <= 2x);
-* held-out NLL / CRPS / CQM (``--problem heteroscedastic``: noise std depending on
-  the inputs) of the network with a constant noise (the validation
-  residuals' variance), FMGP, ELLA (M = 2000, K = 20) and VaLLA (M = 100, when
-  ``sklearn_lla.VaLLARegressor`` exists; ``--valla-iter`` steps) on the same net.
+* ``steps``: time per Adam step of ``FMGPRegressor`` and ``FMGPClassifier`` on a
+  ``load_digits``-sized table (1,078 x 64; the classifier's 10 logits against a
+  one-output regression on the same inputs and the same 2 x 50 tanh MLP shape), and of
+  the regressor on a Year-shaped table at N = 20,000 and 200,000 (it must not depend
+  on N). The optimisation loop's wall and CPU time over its steps, initialisation
+  excluded; also each default fit's wall and CPU time, steps, whether early stopping
+  fired, and the classification / regression step-cost ratio.
+* ``situations``: issue 19's protocol on scikit-learn's data sets (diabetes,
+  friedman1, digits, breast cancer, wine): 60 / 20 / 20 split, standardised X (and y),
+  a skorch 2 x 50 tanh MLP trained 200 epochs with ``train_split=None`` (the net fits
+  every training row). FMGP with defaults in situation (b), ``fit(X_train, y_train)``,
+  and (c), ``fit(..., validation_data=(X_val, y_val))``, against the raw net (its
+  training-residual std in (b), validation-residual std in (c); the softmax for
+  classifiers). Regression: NLL, CQM and 90 % coverage on the original y scale;
+  classification: NLL and ECE (15 bins). Classifiers are fitted with both bias terms
+  of the kernel (``delta="class"``, the default, and ``"input"``, the thesis text).
+  Then ``gap``.
+* ``gap``: the gap toy of ``tests/test_calibration.py``: std at x = 0 over the mean
+  std on the data, for the defaults, the thesis' shared noise (``--authors``: also the
+  authors' toy budget) and an exact RBF GP chosen by its evidence.
+* ``year``: the Year-shaped problem of ``bench_ella.py`` (90 features, 3 x 200 tanh
+  MLP; ``--quick``: 20,000 rows): fit time, predict time relative to the bare forward
+  pass, and held-out NLL / CRPS / CQM with ``validation_data``.
 
 Usage::
 
-    python benchmarks/bench_fmgp.py            # full setting (several minutes)
-    python benchmarks/bench_fmgp.py --quick    # small smoke run
+    python benchmarks/bench_fmgp.py                          # steps + situations, seed 0
+    python benchmarks/bench_fmgp.py --part situations --seeds 0,1,2
+    python benchmarks/bench_fmgp.py --part gap --authors
+    python benchmarks/bench_fmgp.py --part year --quick
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import time
@@ -33,153 +48,362 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import set_threads  # noqa: E402
-from bench_ella import make_net, make_problem  # noqa: E402
+from _common import markdown_table, set_threads, train_skorch_mlp  # noqa: E402
+
+REGRESSION = ("diabetes", "friedman1")
+CLASSIFICATION = ("digits", "breast_cancer", "wine")
 
 
-def metrics(y, mean, std):
-    from sklearn_lla.metrics import centered_quantile_metric, crps_gaussian, gaussian_nll
+# ------------------------------------------------------------------------- data
+def load(name):
+    from sklearn import datasets
+
+    if name == "diabetes":
+        return datasets.load_diabetes(return_X_y=True)
+    if name == "friedman1":
+        return datasets.make_friedman1(n_samples=1000, noise=1.0, random_state=0)
+    return getattr(datasets, f"load_{name}")(return_X_y=True)
+
+
+def prepare(name, seed, epochs=200):
+    """Split, standardise and train the net (``train_split=None``)."""
+    from sklearn.model_selection import train_test_split
+    from sklearn.preprocessing import StandardScaler
+
+    clf = name in CLASSIFICATION
+    X, y = load(name)
+    Xa, Xte, ya, yte = train_test_split(X, y, test_size=0.2, random_state=seed,
+                                        stratify=y if clf else None)
+    Xtr, Xva, ytr, yva = train_test_split(Xa, ya, test_size=0.25, random_state=seed,
+                                          stratify=ya if clf else None)
+    sc = StandardScaler().fit(Xtr)
+    Xtr, Xva, Xte = (sc.transform(a).astype(np.float32) for a in (Xtr, Xva, Xte))
+    mu, sd = (0.0, 1.0) if clf else (float(ytr.mean()), float(ytr.std()))
+    if not clf:
+        ytr, yva, yte = ((a - mu) / sd for a in (ytr, yva, yte))
+    n_out = int(np.max(y)) + 1 if clf else 1
+    net = train_skorch_mlp(Xtr, ytr, clf, n_out, max_epochs=epochs, seed=seed, holdout=False)
+    return dict(net=net, Xtr=Xtr, ytr=ytr, Xva=Xva, yva=yva, Xte=Xte, yte=yte, mu=mu, sd=sd)
+
+
+def outputs(net, X):
+    with torch.no_grad():
+        return net.forward(X.astype(np.float32)).double().numpy()
+
+
+# ---------------------------------------------------------------------- metrics
+def reg_metrics(y, mean, std):
+    from scipy.stats import norm
+
+    from sklearn_lla.metrics import centered_quantile_metric, gaussian_nll
 
     y, mean, std = (np.asarray(a, dtype=np.float64).ravel() for a in (y, mean, std))
-    return {"NLL": gaussian_nll(y, mean, std), "CRPS": crps_gaussian(y, mean, std),
-            "CQM": centered_quantile_metric(y, mean, std)}
+    return {"NLL": gaussian_nll(y, mean, std), "CQM": centered_quantile_metric(y, mean, std),
+            "cov90": float(np.mean(np.abs(y - mean) <= norm.ppf(0.95) * std))}
 
 
-def make_hetero_problem(n_train, n_test, n_features, seed=0):
-    """``make_problem``'s inputs and mean, with noise whose std depends on the inputs.
+def clf_metrics(y, proba):
+    from sklearn.metrics import log_loss
 
-    ``sd(x) = 0.1 + 0.6 sigmoid(3 x_1)`` (from 0.1 to 0.7): a constant noise is then
-    miscalibrated in both directions, the case where a learned variance pays off.
+    from sklearn_lla.metrics import expected_calibration_error
+
+    proba = proba / proba.sum(1, keepdims=True)
+    return {"NLL": float(log_loss(y, proba, labels=np.arange(proba.shape[1]))),
+            "ECE": expected_calibration_error(y, proba, n_bins=15)}
+
+
+# ------------------------------------------------------------------- step costs
+def timed_fit(est, X, y, **fit_kw):
+    """Fit; return (fit wall s, fit CPU s, wall s per Adam step, CPU s per step, warnings).
+
+    CPU seconds (``time.process_time``) are reported next to wall seconds: on a shared,
+    loaded machine the wall time of a single-threaded fit counts other processes too.
     """
-    rng = np.random.RandomState(seed)
-    W = rng.randn(n_features, 1) / np.sqrt(n_features)
-    X = rng.randn(n_train + n_test, n_features).astype(np.float32)
-    sd = 0.1 + 0.6 / (1.0 + np.exp(-3.0 * X[:, 1:2]))
-    y = (np.tanh(X @ W) * 2 + 0.5 * np.sin(3 * X[:, :1]) + sd * rng.randn(len(X), 1))
-    y = y.astype(np.float32)
-    return X[:n_train], y[:n_train], X[n_train:], y[n_train:]
-
-
-def step_time(net, X, y, n_steps=200):
-    """Seconds per Adam step: the optimisation loop's wall time over its steps.
-
-    The loop (``sklearn_lla._posteriors.gp.minimize``) is timed by wrapping it, so the k-means
-    initialisation and other fixed costs are left out.
-    """
-    from sklearn_lla import FMGPRegressor
     from sklearn_lla._posteriors import gp as _gp
 
-    loop = _gp.minimize
-    spent = []
+    loop, spent = _gp.minimize, []
 
     def timed(*a, **kw):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         res = loop(*a, **kw)
-        spent.append((time.perf_counter() - t) / max(res.n_iter, 1))
+        n = max(res.n_iter, 1)
+        spent.append(((time.perf_counter() - t) / n, (time.process_time() - c) / n))
         return res
 
     _gp.minimize = timed
     try:
-        est = FMGPRegressor(net, max_iter=n_steps, early_stopping=False, recalibrate=False,
-                            random_state=0, device="cpu")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            est.fit(X, y)
+        t, c = time.perf_counter(), time.process_time()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            est.fit(X, y, **fit_kw)
+        fit_s, fit_cpu = time.perf_counter() - t, time.process_time() - c
     finally:
         _gp.minimize = loop
-    return spent[0]
+    warned = sorted({w.category.__name__ for w in caught
+                     if not issubclass(w.category, (DeprecationWarning, FutureWarning))})
+    return fit_s, fit_cpu, spent[0][0], spent[0][1], warned
+
+
+def part_steps(args):
+    from sklearn.datasets import load_digits
+    from sklearn.preprocessing import StandardScaler
+
+    from sklearn_lla import FMGPClassifier, FMGPRegressor
+
+    X, y = load_digits(return_X_y=True)
+    X = StandardScaler().fit_transform(X).astype(np.float32)[:1078]
+    y = y[:1078]
+    yr = (y - y.mean()) / y.std()  # a regression target on the same inputs
+    clf_net = train_skorch_mlp(X, y, True, 10, max_epochs=args.epochs, holdout=False)
+    reg_net = train_skorch_mlp(X, yr, False, 1, max_epochs=args.epochs, holdout=False)
+    rows = []
+    per_step = {}
+    for name, cls, net, target in (("regression (C = 1)", FMGPRegressor, reg_net, yr),
+                                   ("classification (C = 10)", FMGPClassifier, clf_net, y)):
+        est = cls(net, random_state=0)
+        t0, c0 = time.perf_counter(), time.process_time()
+        fit_s, fit_cpu, step_s, step_cpu, warned = timed_fit(est, X, target)
+        est.predict(X) if cls is FMGPRegressor else est.predict_proba(X)
+        total, total_cpu = time.perf_counter() - t0, time.process_time() - c0
+        per_step[cls] = step_cpu
+        rows.append([f"digits-sized {name}", f"{1e3 * step_s:.1f} / {1e3 * step_cpu:.1f}",
+                     str(est.n_iter_), str(bool(est.hyper_trace_["stopped_early"])),
+                     f"{fit_s:.1f} / {fit_cpu:.1f}", f"{total:.1f} / {total_cpu:.1f}",
+                     ", ".join(warned) or "none"])
+    ratio = per_step[FMGPClassifier] / per_step[FMGPRegressor]
+    rows.append(["classification / regression step (CPU)", f"{ratio:.1f} x (C = 10)",
+                 "", "", "", "", ""])
+    if not args.quick:
+        from bench_ella import make_net, make_problem
+
+        Xy, yy, _, _ = make_problem(200_000, 10, 90)
+        ynet = make_net(Xy[:20_000], yy[:20_000], (200, 200, 200), 1)
+        for n in (20_000, 200_000):
+            est = FMGPRegressor(ynet, max_iter=200, early_stopping=False, random_state=0)
+            _, _, step_s, step_cpu, _ = timed_fit(est, Xy[:n], yy[:n])
+            rows.append([f"Year-shaped regression, N = {n:,}",
+                         f"{1e3 * step_s:.1f} / {1e3 * step_cpu:.1f}", "200",
+                         "(fixed)", "", "", ""])
+    print(markdown_table(["problem", "ms / step (wall / CPU)", "steps", "stopped early",
+                          "fit s (wall / CPU)", "fit + predict s (wall / CPU)", "warnings"],
+                         rows))
+
+
+# -------------------------------------------------------------------- situations
+def fit_both(est, d, classification):
+    """Fit once in (b); (c) is the same posterior calibrated on the validation rows.
+
+    FMGP stops on its objective, so ``fit(..., validation_data=...)`` trains the same
+    posterior as ``fit(...)`` and then runs ``posterior_.calibrate``; doing that on a
+    copy gives both situations from one fit (checked: identical ``n_iter_`` and
+    hyperparameters).
+    """
+    from sklearn_lla._core.protocol import FitData
+
+    t = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est.fit(d["Xtr"], d["ytr"])
+        fit_s = time.perf_counter() - t
+        c = copy.deepcopy(est)
+        yv = (torch.tensor(d["yva"].astype(np.int64)) if classification
+              else torch.tensor(d["yva"], dtype=torch.float64).reshape(-1, 1))
+        val = FitData(c.linearized_net_, c.likelihood_, d["Xva"], yv, batch_size=c.batch_size)
+        c.posterior_.calibrate(val, generator=torch.Generator().manual_seed(0),
+                               noise=not classification, temperature=classification)
+        c.likelihood_ = c.posterior_.likelihood
+    warned = sorted({f"{w.category.__name__}: {str(w.message)[:80]}" for w in caught
+                     if not issubclass(w.category, (DeprecationWarning, FutureWarning))})
+    return est, c, fit_s, warned
+
+
+def part_situations(args):
+    from sklearn_lla import FMGPClassifier, FMGPRegressor
+    from sklearn_lla.kernels import ClassificationKernel
+
+    rows = []
+    for name in args.datasets:
+        clf = name in CLASSIFICATION
+        for seed in args.seeds:
+            d = prepare(name, seed, args.epochs)
+            net = d["net"]
+            if clf:
+                raw = clf_metrics(d["yte"], torch.softmax(
+                    torch.as_tensor(outputs(net, d["Xte"])), 1).numpy())
+                rows.append([name, seed, "raw net", "b/c", *_fmt(raw, clf), "", ""])
+                variants = [("FMGP", {}), ("FMGP, delta='input'",
+                                           {"kernel": ClassificationKernel(delta="input")})]
+            else:
+                yte = d["yte"] * d["sd"] + d["mu"]
+                m = outputs(net, d["Xte"])[:, 0] * d["sd"] + d["mu"]
+                for sit, Xs, ys in (("b", d["Xtr"], d["ytr"]), ("c", d["Xva"], d["yva"])):
+                    r = outputs(net, Xs)[:, 0] - ys
+                    s0 = float(np.sqrt(np.mean(r ** 2))) * d["sd"]
+                    rows.append([name, seed, "raw net", sit,
+                                 *_fmt(reg_metrics(yte, m, np.full_like(m, s0)), clf), "", ""])
+                variants = [("FMGP", {})]
+            for label, kw in variants:
+                cls = FMGPClassifier if clf else FMGPRegressor
+                b, c, fit_s, warned = fit_both(cls(net, random_state=seed, **kw), d, clf)
+                for sit, est in (("b", b), ("c", c)):
+                    if clf:
+                        met = clf_metrics(d["yte"], est.predict_proba(d["Xte"]))
+                        hyp = f"T = {est.likelihood_.temperature:.3g}"
+                    else:
+                        mean, std = est.predict(d["Xte"], return_std=True)
+                        met = reg_metrics(d["yte"] * d["sd"] + d["mu"],
+                                          mean * d["sd"] + d["mu"], std * d["sd"])
+                        hyp = f"s2 = {est.likelihood_.noise_variance:.3g}"
+                    note = (f"{est.n_iter_} steps, {fit_s:.0f} s; a = "
+                            f"{est.prior_variance_:.3g}, {hyp}")
+                    rows.append([name, seed, label, sit, *_fmt(met, clf), note,
+                                 "; ".join(warned)])
+            print(f"done {name} seed {seed}", flush=True)
+    print(markdown_table(["data", "seed", "model", "situation", "NLL", "CQM / ECE",
+                          "cov90", "fit", "warnings"], rows))
+    if not args.no_gap:
+        part_gap(args)
+
+
+def _fmt(met, clf):
+    if clf:
+        return [f"{met['NLL']:.4f}", f"{met['ECE']:.4f}", ""]
+    return [f"{met['NLL']:.4f}", f"{met['CQM']:.4f}", f"{met['cov90']:.3f}"]
+
+
+class _SharedNoise:
+    """The thesis' / authors' noise design, for comparison only (not an option).
+
+    One noise variance learned from both terms of the loss with alpha = 1 (the
+    authors' ``FMGP_Base.loss``), instead of the default's ``Q*``-ELBO noise; with
+    ``start`` the authors' toy initialisation ``s2 = exp(-5)``.
+    """
+
+    def __init__(self, start=None):
+        self.start = start
+
+    def __enter__(self):
+        from sklearn_lla._posteriors.fmgp import FMGPPosterior
+
+        self.saved = FMGPPosterior._noise_from_qstar, FMGPPosterior._initial_noise
+        FMGPPosterior._noise_from_qstar = lambda self_, likelihood: False
+        if self.start is not None:
+            FMGPPosterior._initial_noise = lambda self_, data, gen: self.start
+        return self
+
+    def __exit__(self, *exc):
+        from sklearn_lla._posteriors.fmgp import FMGPPosterior
+
+        FMGPPosterior._noise_from_qstar, FMGPPosterior._initial_noise = self.saved
+
+
+def part_gap(args):
+    """The gap toy of tests/test_calibration.py: std at 0 / mean std on the data.
+
+    Rows: the defaults; the thesis' shared noise with the default budget; with
+    ``--authors``, the authors' toy settings (shared noise from ``exp(-5)``, Adam at
+    1e-3 for 70,000 steps, no early stopping: about 10 minutes per situation).
+    """
+    import math
+
+    from sklearn.gaussian_process import GaussianProcessRegressor
+    from sklearn.gaussian_process.kernels import RBF, ConstantKernel, WhiteKernel
+
+    from sklearn_lla import FMGPRegressor
+
+    def rows_(seed, n):
+        rng = np.random.RandomState(seed)
+        x = np.concatenate([rng.uniform(-3, -1, n), rng.uniform(1, 3, n)])
+        return x[:, None].astype(np.float32), (np.sin(x) + 0.1 * rng.randn(2 * n)).astype(
+            np.float32)
+
+    X, y = rows_(0, 40)
+    Xv, yv = rows_(1, 20)
+    net = train_skorch_mlp(X, y, False, 1, hidden=(32, 32), lr=1e-2, max_epochs=300,
+                           holdout=False)
+    variants = [("defaults", {}, None),
+                ("thesis' shared noise", {}, _SharedNoise())]
+    if getattr(args, "authors", False):
+        variants.append(("authors' settings", {"learning_rate": 1e-3, "max_iter": 70_000,
+                                               "early_stopping": False},
+                         _SharedNoise(math.exp(-5))))
+    out = []
+    for label, kw, patch in variants:
+        for sit, fit_kw in (("b", {}), ("c", {"validation_data": (Xv, yv)})):
+            est = FMGPRegressor(net, n_inducing=20, random_state=0, **kw)
+            if patch is None:
+                est.fit(X, y, **fit_kw)
+            else:
+                with patch:
+                    est.fit(X, y, **fit_kw)
+            _, s_gap = est.predict(np.zeros((1, 1), np.float32), return_std=True)
+            _, s_dat = est.predict(X, return_std=True)
+            out.append([label, sit, f"{s_gap[0]:.3f}", f"{s_dat.mean():.3f}",
+                        f"{s_gap[0] / s_dat.mean():.2f}",
+                        f"{est.kernel_.length_scale_[0]:.3g}", f"{est.prior_variance_:.3g}",
+                        f"{est.noise_variance_:.3g}", str(est.n_iter_)])
+    gp = GaussianProcessRegressor(ConstantKernel() * RBF() + WhiteKernel(0.01),
+                                  n_restarts_optimizer=5, random_state=0).fit(X, y)
+    _, s_dat = gp.predict(X, return_std=True)
+    _, s_gap = gp.predict(np.zeros((1, 1)), return_std=True)
+    k = gp.kernel_
+    out.append(["exact GP, RBF, evidence", "b", f"{s_gap[0]:.3f}", f"{s_dat.mean():.3f}",
+                f"{s_gap[0] / s_dat.mean():.2f}", f"{k.k1.k2.length_scale:.3g}",
+                f"{k.k1.k1.constant_value:.3g}", f"{k.k2.noise_level:.3g}", ""])
+    print(markdown_table(["model", "situation", "std at 0", "mean std on data", "ratio",
+                          "length scale", "amplitude", "noise variance", "steps"], out))
+
+
+# -------------------------------------------------------------------------- year
+def part_year(args):
+    from bench_ella import make_net, make_problem
+
+    from sklearn_lla import FMGPRegressor
+
+    n_train, n_val, n_test, epochs = ((20_000, 2_000, 2_000, 1) if args.quick
+                                      else (200_000, 20_000, 10_000, 3))
+    X, y, Xr, yr = make_problem(n_train, n_val + n_test, 90)
+    Xv, yv, Xt, yt = Xr[:n_val], yr[:n_val], Xr[n_val:], yr[n_val:]
+    net = make_net(X, y, (200, 200, 200), epochs)
+    s0 = float(np.sqrt(np.mean((outputs(net, Xv) - yv) ** 2)))
+    rows = [["MAP + validation-residual noise",
+             *_fmt(reg_metrics(yt, outputs(net, Xt), np.full(yt.shape, s0)), False), "", ""]]
+    est = FMGPRegressor(net, random_state=0)
+    fit_s, _, step_s, _, warned = timed_fit(est, X, y, validation_data=(Xv, yv))
+    pred = fwd = np.inf
+    for _ in range(3):  # best of 3: the machine is shared
+        t = time.perf_counter()
+        mean, std = est.predict(Xt, return_std=True)
+        pred = min(pred, time.perf_counter() - t)
+        t = time.perf_counter()
+        est.predict(Xt)
+        fwd = min(fwd, time.perf_counter() - t)
+    rows.append(["FMGP (defaults, validation_data)", *_fmt(reg_metrics(yt, mean, std), False),
+                 f"{fit_s:.1f} ({est.n_iter_} steps, {1e3 * step_s:.1f} ms / step)",
+                 f"{pred / fwd:.2f} x forward"])
+    print(markdown_table(["model", "NLL", "CQM", "cov90", "fit (s)", "predict"], rows))
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--part", default="steps,situations")
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--datasets", default=",".join(REGRESSION + CLASSIFICATION))
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--max-iter", type=int, default=None,
-                    help="FMGP max_iter (default: the estimator's)")
-    ap.add_argument("--valla-iter", type=int, default=2000)
-    ap.add_argument("--no-baselines", action="store_true")
-    ap.add_argument("--problem", choices=("homoscedastic", "heteroscedastic"),
-                    default="homoscedastic",
-                    help="bench_ella's generator, or the same with input-dependent noise")
+    ap.add_argument("--epochs", type=int, default=200)
+    ap.add_argument("--no-gap", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--authors", action="store_true",
+                    help="gap: also the authors' toy settings (about 20 minutes)")
     args = ap.parse_args()
+    args.seeds = [int(s) for s in args.seeds.split(",")]
+    args.datasets = args.datasets.split(",")
     set_threads(args.threads)
-    from sklearn_lla import ELLARegressor, FMGPRegressor
-
-    n_train, n_val, n_test, epochs = (20_000, 2_000, 2_000, 1) if args.quick else (
-        200_000, 20_000, 10_000, 3)
-    make = make_problem if args.problem == "homoscedastic" else make_hetero_problem
-    X, y, Xrest, yrest = make(n_train, n_val + n_test, 90)
-    print(f"problem: {args.problem}")
-    Xv, yv, Xt, yt = Xrest[:n_val], yrest[:n_val], Xrest[n_val:], yrest[n_val:]
-    t = time.perf_counter()
-    net = make_net(X, y, (200, 200, 200), epochs)
-    print(f"net trained in {time.perf_counter() - t:.1f} s ({epochs} epochs)")
     print(f"load average before: {os.getloadavg()}")
-
-    rows = []
-    # -- time per step, at N and N / 10 --------------------------------------------
-    for n in (n_train, n_train // 10):
-        s = step_time(net, X[:n], y[:n])
-        print(f"FMGP time per step at N = {n:,}: {1e3 * s:.1f} ms")
-
-    # -- the defaults ----------------------------------------------------------------
-    with torch.no_grad():
-        g_val = net(torch.as_tensor(Xv)).numpy()
-        g_test = net(torch.as_tensor(Xt)).numpy()
-    s0 = float(np.sqrt(np.mean((g_val - yv) ** 2)))
-    rows.append(("MAP + constant noise", metrics(yt, g_test, np.full(len(yt), s0)), "", ""))
-
-    kw = {} if args.max_iter is None else {"max_iter": args.max_iter}
-    est = FMGPRegressor(net, random_state=0, device="cpu", **kw)
-    t = time.perf_counter()
-    est.fit(X, y, validation_data=(Xv, yv))
-    fit_s = time.perf_counter() - t
-    pred_s = fwd_s = np.inf
-    for _ in range(3):  # best of 3: the machine is shared
-        t = time.perf_counter()
-        mean, std = est.predict(Xt, return_std=True)
-        pred_s = min(pred_s, time.perf_counter() - t)
-        t = time.perf_counter()
-        est.predict(Xt)
-        fwd_s = min(fwd_s, time.perf_counter() - t)
-    print(f"FMGP fit {fit_s:.1f} s ({est.n_iter_} steps, best at "
-          f"{est.hyper_trace_['best_iter']}); predict {pred_s:.2f} s = "
-          f"{pred_s / fwd_s:.2f} x the bare forward ({fwd_s:.2f} s); noise "
-          f"{est.noise_variance_:.4f}, amplitude {est.prior_variance_:.4f}, calibration "
-          f"{est.posterior_.calibration}")
-    rows.append(("FMGP (defaults)", metrics(yt, mean, std), f"{fit_s:.1f}", f"{pred_s:.2f}"))
-
-    if not args.no_baselines:
-        ella = ELLARegressor(net, n_nystrom=2000, n_components=20, random_state=0,
-                             device="cpu")
-        t = time.perf_counter()
-        ella.fit(X, y, validation_data=(Xv, yv))
-        f = time.perf_counter() - t
-        t = time.perf_counter()
-        m, s = ella.predict(Xt, return_std=True)
-        rows.append(("ELLA (M=2000, K=20)", metrics(yt, m, s), f"{f:.1f}",
-                     f"{time.perf_counter() - t:.2f}"))
-        import sklearn_lla
-
-        VaLLA = getattr(sklearn_lla, "VaLLARegressor", None)
-        if VaLLA is not None:
-            v = VaLLA(net, max_iter=args.valla_iter, random_state=0, device="cpu")
-            t = time.perf_counter()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                v.fit(X, y, validation_data=(Xv, yv))
-            f = time.perf_counter() - t
-            t = time.perf_counter()
-            m, s = v.predict(Xt, return_std=True)
-            rows.append((f"VaLLA (M=100, <= {args.valla_iter} steps)", metrics(yt, m, s),
-                         f"{f:.1f}", f"{time.perf_counter() - t:.2f}"))
-
-    print()
-    print("| method | NLL | CRPS | CQM | fit (s) | predict (s) |")
-    print("|---|---|---|---|---|---|")
-    for name, r, f, p in rows:
-        print(f"| {name} | {r['NLL']:.4f} | {r['CRPS']:.4f} | {r['CQM']:.4f} | {f} | {p} |")
-    print(f"\nload average after: {os.getloadavg()}")
+    for part in args.part.split(","):
+        {"steps": part_steps, "situations": part_situations, "gap": part_gap,
+         "year": part_year}[part](args)
+    print(f"load average after: {os.getloadavg()}")
 
 
 if __name__ == "__main__":

@@ -17,12 +17,24 @@ points, batch 100, 2 torch threads.
    same initial hyperparameters (``s0^2 = ||theta||^2 / P``, ``s2`` = the net's
    training MSE), then the Gaussian NLL on 2,000 held-out rows, with ratios.
 
+4. **Regression vs classification steps and default fits** (``--parts tables``):
+   digits-sized tables as ``benchmarks/budgets.py`` builds them (``load_digits``, 1,797 x
+   64, 10 classes; ``make_friedman1(n_samples=1797, n_features=64, noise=1.0)``, y
+   standardised), a skorch MLP (2 x 50 tanh, Adam, 200 epochs, ``train_split=None``).
+   Per-step time of ``VaLLARegressor`` / ``VaLLAClassifier`` (median time between
+   minibatch draws, ``early_stopping=False``), with the default fixed inducing inputs
+   and with ``learn_inducing=True`` (gradients through ``J(Z)``), the ratio
+   classification / regression and that ratio / C. Then the default fit + predict
+   (all rows) in situation (b) (``fit(X, y)``) and (c) (80 % of the rows, the other
+   20 % as ``validation_data``), with the steps taken and any ConvergenceWarning.
+
 Other processes may share the CPU: the load average is printed next to the numbers.
 
 Usage::
 
     python benchmarks/bench_valla.py                 # full setting (several minutes)
     python benchmarks/bench_valla.py --quick         # small smoke run
+    python benchmarks/bench_valla.py --parts tables  # regression vs classification
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ import warnings
 
 import numpy as np
 import torch
+from sklearn.exceptions import ConvergenceWarning
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import set_threads  # noqa: E402
@@ -72,10 +85,9 @@ def _gaussian_nll(y, mean, var):
     return float(np.mean(0.5 * (np.log(2 * np.pi * var) + (y - mean) ** 2 / var)))
 
 
-def ours(net, X, y, steps, lr, warmup=0):
-    """Fit VaLLA for ``steps`` steps; returns the estimator and per-step times."""
+def timed_fit(est, X, y, **fit_kw):
+    """Fit ``est``; returns (per-step times after the first, total seconds, warnings)."""
     import sklearn_lla._posteriors.gp as gp
-    from sklearn_lla import VaLLARegressor
 
     stamps = []
     draw = gp.minibatches
@@ -87,19 +99,25 @@ def ours(net, X, y, steps, lr, warmup=0):
 
     gp.minibatches = timed
     try:
-        est = VaLLARegressor(net, n_inducing=100, batch_size=100, max_iter=warmup + steps,
-                             learning_rate=lr, early_stopping=False, device="cpu",
-                             random_state=0)
         t = time.perf_counter()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            est.fit(X, y[:, 0])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            est.fit(X, y, **fit_kw)
         total = time.perf_counter() - t
     finally:
         gp.minibatches = draw
-    d = np.diff(stamps)[warmup:]
-    setup = stamps[0] - t if stamps else float("nan")
-    return est, d, total, setup
+    return np.diff(stamps), total, caught
+
+
+def ours(net, X, y, steps, lr, warmup=0):
+    """Fit VaLLA for ``steps`` steps; returns the estimator and per-step times."""
+    from sklearn_lla import VaLLARegressor
+
+    est = VaLLARegressor(net, n_inducing=100, batch_size=100, max_iter=warmup + steps,
+                         learning_rate=lr, early_stopping=False, device="cpu",
+                         random_state=0)
+    d, total, _ = timed_fit(est, X, y[:, 0])
+    return est, d[warmup:], total, float("nan")
 
 
 def peer(net, X, y, iterations, lr, s0, s2, Xv=None, yv=None):
@@ -130,6 +148,62 @@ def peer(net, X, y, iterations, lr, s0, s2, Xv=None, yv=None):
     return dt, nll
 
 
+def digits_tables():
+    """The digits-sized classification and regression tables (see ``budgets.py``)."""
+    from sklearn.datasets import load_digits, make_friedman1
+    from sklearn.preprocessing import StandardScaler
+
+    Xc, yc = load_digits(return_X_y=True)
+    Xr, yr = make_friedman1(n_samples=1797, n_features=64, noise=1.0, random_state=0)
+    yr = (yr - yr.mean()) / yr.std()
+    return {"classification": (StandardScaler().fit_transform(Xc).astype(np.float32), yc),
+            "regression": (StandardScaler().fit_transform(Xr).astype(np.float32), yr)}
+
+
+def tables(args):
+    """Part 4: step costs regression vs classification, default fit + predict times."""
+    from _common import train_skorch_mlp
+
+    from sklearn_lla import VaLLAClassifier, VaLLARegressor
+
+    rows = {}
+    for task, (X, y) in digits_tables().items():
+        clf = task == "classification"
+        C = 10 if clf else 1
+        Est = VaLLAClassifier if clf else VaLLARegressor
+        net_b = train_skorch_mlp(X, y, clf, C, holdout=False)
+        n80 = int(0.8 * len(X))
+        perm = np.random.RandomState(0).permutation(len(X))
+        tr, va = perm[:n80], perm[n80:]
+        net_c = train_skorch_mlp(X[tr], y[tr], clf, C, holdout=False)
+        for learn in (False, True):
+            est = Est(net_b, max_iter=args.table_steps + 5, early_stopping=False,
+                      learn_inducing=learn, device="cpu", random_state=0)
+            d, _, _ = timed_fit(est, X, y)
+            rows[(task, learn)] = float(np.median(d[5:]))
+            print(f"{task:>14}, learn_inducing={learn!s:>5}: median step "
+                  f"{1e3 * rows[(task, learn)]:.1f} ms ({len(d) - 5} steps); load "
+                  f"{os.getloadavg()[0]:.2f}", flush=True)
+        for sit, net, fit_rows, kw in [("b", net_b, np.arange(len(X)), {}),
+                                       ("c", net_c, tr, {"validation_data": (X[va], y[va])})]:
+            est = Est(net, device="cpu", random_state=0)
+            t = time.perf_counter()
+            _, fit_s, caught = timed_fit(est, X[fit_rows], y[fit_rows], **kw)
+            if clf:
+                est.predict_proba(X)
+            else:
+                est.predict(X, return_std=True)
+            total = time.perf_counter() - t
+            conv = sum(issubclass(w.category, ConvergenceWarning) for w in caught)
+            print(f"{task:>14} ({sit}) default fit {fit_s:.1f} s, fit + predict {total:.1f} s, "
+                  f"{est.n_iter_} steps (best check at step {est.hyper_trace_['best_iter']}), "
+                  f"ConvergenceWarnings {conv}; load {os.getloadavg()[0]:.2f}", flush=True)
+    for learn in (False, True):
+        r = rows[("classification", learn)] / rows[("regression", learn)]
+        print(f"learn_inducing={learn}: classification / regression step {r:.2f} "
+              f"(/ C = {r / 10:.2f})")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="20000,200000")
@@ -141,11 +215,19 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--parts", default="year", help="comma-separated: year, tables")
+    ap.add_argument("--table-steps", type=int, default=60)
     args = ap.parse_args(argv)
     if args.quick:
         args.sizes, args.steps, args.warmup = "2000,20000", 20, 5
         args.peer_steps, args.nll_steps = 2, 20
     set_threads(args.threads)
+    parts = args.parts.split(",")
+    if "tables" in parts:
+        print(f"load average before: {os.getloadavg()}")
+        tables(args)
+    if "year" not in parts:
+        return
     sizes = [int(s) for s in args.sizes.split(",")]
     n_val = 2000
     X, y, Xv, yv = make_problem(max(sizes), n_val)
@@ -163,8 +245,8 @@ def main(argv=None):
         est, d, total, setup = ours(net, X[:n], y[:n], args.steps, 1e-3, warmup=args.warmup)
         print(f"ours  N={n:>7}: median step {1e3 * np.median(d):6.1f} ms "
               f"(p10 {1e3 * np.percentile(d, 10):.1f}, p90 {1e3 * np.percentile(d, 90):.1f}; "
-              f"{len(d)} steps), set-up (k-means, checks) {setup:.1f} s, "
-              f"backend {est.jacobian_backend_}; load {os.getloadavg()[0]:.2f}", flush=True)
+              f"{len(d)} steps), fit {total:.1f} s, backend {est.jacobian_backend_}; "
+              f"load {os.getloadavg()[0]:.2f}", flush=True)
     ours_step = float(np.median(d))
 
     if args.no_peer:
