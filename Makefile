@@ -31,11 +31,17 @@ test-slow: install
 test-all: install lint
 	$(PY) -m pytest -n 2 --doctest-modules sklearn_lla tests
 
+## Run every example script (each under a minute on 2 cores; plots in examples/output/)
+EXAMPLES := $(sort $(wildcard examples/*.py))
 examples: install
-	MPLBACKEND=Agg $(PY) examples/quickstart.py
-	MPLBACKEND=Agg $(PY) examples/classification.py
+	@set -e; for f in $(EXAMPLES); do \
+		echo "== $$f"; start=$$(date +%s); \
+		MPLBACKEND=Agg $(PY) $$f; \
+		echo "== $$f: $$(( $$(date +%s) - start )) s"; \
+	done
 
-## Build the documentation site offline into docs/_build/html (Sphinx; warnings are errors)
+## Build the documentation site into docs/_build/html (Sphinx; warnings are errors); runs
+## every example for the gallery (a few minutes). MathJax is loaded by the browser.
 docs: install
 	MPLBACKEND=Agg $(PY) -m sphinx -b html -W --keep-going -q docs docs/_build/html
 	@echo "docs built: open docs/_build/html/index.html"

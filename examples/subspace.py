@@ -25,7 +25,11 @@ from sklearn_lla.diagnostics import latent_predictive, predictive_kl  # noqa: E4
 from sklearn_lla.nets import MLP  # noqa: E402
 from sklearn_lla.subspace import SubspaceLaplaceRegressor  # noqa: E402
 
-OUT = Path(__file__).resolve().parent / "output"
+try:
+    HERE = Path(__file__).resolve().parent
+except NameError:  # run by sphinx-gallery (``make docs``), from the examples directory
+    HERE = Path.cwd()
+OUT = HERE / "output"
 OUT.mkdir(exist_ok=True)
 
 rng = np.random.RandomState(0)
