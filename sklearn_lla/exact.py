@@ -65,7 +65,7 @@ class LLARegressor(_LLAMixin, LaplaceRegressorMixin):
     """Exact linearized Laplace regression (GGN, float64 dense algebra).
 
     The reference implementation for small problems (``min(P, N * n_targets)`` up to
-    20,000): every approximate method is tested against it. With
+    10,000): every approximate method is tested against it. With
     ``subset_of_weights="last_layer"`` only the last layer is linearised (the other
     weights held fixed), which scales to any ``N`` and is a cheap baseline.
 

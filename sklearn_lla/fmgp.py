@@ -117,7 +117,7 @@ class FMGPRegressor(_FMGPMixin, LaplaceRegressorMixin):
     learning_rate : float, default=0.01
         Adam's learning rate. The paper uses 1e-3 for tens of thousands of steps;
         1e-2 reaches the same objective in a few hundred to a few thousand.
-    max_iter : int, default=3000
+    max_iter : int, default=5000
         Largest number of Adam steps.
     batch_size : int, default=100
         Rows per minibatch and per forward pass at prediction.
@@ -212,7 +212,7 @@ class FMGPRegressor(_FMGPMixin, LaplaceRegressorMixin):
     _parameter_constraints = {**REGRESSOR_CONSTRAINTS, **_FMGPMixin._fmgp_constraints}
 
     def __init__(self, net=None, *, kernel="auto", n_inducing=100, prior_variance="auto",
-                 noise_variance="auto", alpha=1.0, learning_rate=0.01, max_iter=3000,
+                 noise_variance="auto", alpha=1.0, learning_rate=0.01, max_iter=5000,
                  batch_size=100, early_stopping=True, validation_fraction=0.1,
                  validation_freq=100, n_iter_no_change=5, tol=1e-3, learn_inducing=True,
                  mean_regularizer=True, device="auto", random_state=None,
@@ -270,7 +270,7 @@ class FMGPClassifier(_FMGPMixin, LaplaceClassifierMixin):
         The alpha of the energy.
     learning_rate : float, default=0.01
         Adam's learning rate.
-    max_iter : int, default=3000
+    max_iter : int, default=5000
         Largest number of Adam steps.
     batch_size : int, default=100
         Rows per minibatch and per forward pass at prediction.
@@ -372,7 +372,7 @@ class FMGPClassifier(_FMGPMixin, LaplaceClassifierMixin):
                               "penultimate_layer": [str, None]}
 
     def __init__(self, net=None, *, kernel="auto", n_inducing=100, prior_variance="auto",
-                 alpha=1.0, learning_rate=0.01, max_iter=3000, batch_size=100,
+                 alpha=1.0, learning_rate=0.01, max_iter=5000, batch_size=100,
                  early_stopping=True, validation_fraction=0.1, validation_freq=100,
                  n_iter_no_change=5, tol=1e-3, learn_inducing=True, mean_regularizer=True,
                  penultimate_layer=None, link_approx="probit",

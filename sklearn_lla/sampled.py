@@ -31,7 +31,7 @@ class _SampledMixin:
     _sampled_constraints = {
         "n_posterior_samples": [Interval(Integral, 1, None, closed="left")],
         "n_em_steps": [Interval(Integral, 0, None, closed="left")],
-        "max_iter": [Interval(Integral, 1, None, closed="left")],
+        "max_iter": [Interval(Integral, 1, None, closed="left"), StrOptions({"auto"})],
         "learning_rate": [Interval(Real, 0, None, closed="neither")],
         "lr_schedule": [StrOptions({"auto", "cosine", "constant", "step"})],
         "hyper_strategy": [StrOptions({"auto", "em", "weight_norm", "validation"})],
@@ -94,9 +94,11 @@ class SampledLLARegressor(_SampledMixin, LaplaceRegressorMixin):
     n_em_steps : int, default=3
         EM iterations of ``hyper_strategy="em"`` (one E-step each, plus a final
         E-step at the learned values).
-    max_iter : int, default=300
+    max_iter : int or "auto", default="auto"
         Iterations per E-step: conjugate-gradient iterations (full data passes) or
-        Adam steps (minibatches of ``batch_size`` rows).
+        Adam steps (minibatches of ``batch_size`` rows). ``"auto"``: up to 1,000
+        conjugate-gradient iterations (they stop at ``tol``, usually after 150-300 on
+        the bundled data sets) or 300 Adam steps.
     learning_rate : float, default=0.1
         Adam's (initial) learning rate, in prior-whitened coordinates.
     lr_schedule : {"auto", "cosine", "constant", "step"}, default="auto"
@@ -194,7 +196,7 @@ class SampledLLARegressor(_SampledMixin, LaplaceRegressorMixin):
     _parameter_constraints = {**REGRESSOR_CONSTRAINTS, **_SampledMixin._sampled_constraints}
 
     def __init__(self, net=None, *, n_posterior_samples=64, prior_variance="auto",
-                 noise_variance="auto", hyper_strategy="auto", n_em_steps=3, max_iter=300,
+                 noise_variance="auto", hyper_strategy="auto", n_em_steps=3, max_iter="auto",
                  learning_rate=0.1, lr_schedule="auto", early_stopping=False, tol=1e-4,
                  n_iter_no_change=3, g_prior=False, solver="auto", validation_fraction=0.1,
                  trainable_only=True, device="auto", batch_size=256, random_state=None,
@@ -246,8 +248,9 @@ class SampledLLAClassifier(_SampledMixin, LaplaceClassifierMixin):
         stopped once two candidates in a row score worse).
     n_em_steps : int, default=3
         EM iterations of ``hyper_strategy="em"``.
-    max_iter : int, default=300
-        Iterations per E-step (conjugate-gradient iterations or Adam steps).
+    max_iter : int or "auto", default="auto"
+        Iterations per E-step (conjugate-gradient iterations or Adam steps);
+        ``"auto"``: up to 1,000 conjugate-gradient iterations or 300 Adam steps.
     learning_rate : float, default=0.1
         Adam's (initial) learning rate, in prior-whitened coordinates.
     lr_schedule : {"auto", "cosine", "constant", "step"}, default="auto"
@@ -343,7 +346,7 @@ class SampledLLAClassifier(_SampledMixin, LaplaceClassifierMixin):
     _parameter_constraints = {**CLASSIFIER_CONSTRAINTS, **_SampledMixin._sampled_constraints}
 
     def __init__(self, net=None, *, n_posterior_samples=64, prior_variance="auto",
-                 hyper_strategy="auto", n_em_steps=3, max_iter=300, learning_rate=0.1,
+                 hyper_strategy="auto", n_em_steps=3, max_iter="auto", learning_rate=0.1,
                  lr_schedule="auto", early_stopping=False, tol=1e-4, n_iter_no_change=3,
                  g_prior=False, solver="auto", link_approx="probit", n_samples_predict=512,
                  classes=None, validation_fraction=0.1, trainable_only=True, device="auto",

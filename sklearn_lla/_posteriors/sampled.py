@@ -66,7 +66,8 @@ from .._core.likelihoods import mc_seed, uses_mc_link
 from .._core.optim import minibatches, minimize
 from .._core.protocol import LatentPredictive, Posterior, validation_residuals
 
-__all__ = ["SampledLLAPosterior", "PRIOR_GRID", "NOISE_GRID", "G_PRIOR_FLOOR", "CG_MAX_BATCHES"]
+__all__ = ["SampledLLAPosterior", "PRIOR_GRID", "NOISE_GRID", "G_PRIOR_FLOOR", "CG_MAX_BATCHES",
+           "AUTO_ITERATIONS"]
 
 _F64 = torch.float64
 
@@ -75,6 +76,12 @@ G_PRIOR_FLOOR = 1e-4
 
 #: Steps between the checks of the windowed objective when ``early_stopping``.
 _CHECK_FREQ = 50
+
+#: ``max_iter="auto"``: conjugate-gradient iterations (full data passes) / Adam steps
+#: per E-step. CG stops at its tolerance and usually needs 150-300 iterations on the
+#: bundled data sets (one friedman1 split needed 304), so its cap only bounds a
+#: pathological run; Adam runs all of its steps.
+AUTO_ITERATIONS = {"cg": 1000, "adam": 300}
 
 #: Largest number of batches in a full data pass for which ``solver="auto"`` uses
 #: conjugate gradients (one pass per iteration) rather than minibatch Adam.
@@ -216,9 +223,10 @@ class SampledLLAPosterior(Posterior):
         ``K``.
     n_em_steps : int, default=3
         EM iterations (``hyper="em"``).
-    max_iter : int, default=300
+    max_iter : int or "auto", default="auto"
         Iterations per E-step, conjugate-gradient iterations or Adam steps
-        (``max_iter // 4`` per candidate of the validation scan).
+        (``max_iter // 4`` per candidate of the validation scan); ``"auto"``:
+        :data:`AUTO_ITERATIONS` of the solver in use.
     learning_rate : float, default=0.1
         Adam's (initial) learning rate, in prior-whitened coordinates.
     lr_schedule : {"auto", "cosine", "constant", "step"}, default="auto"
@@ -257,7 +265,7 @@ class SampledLLAPosterior(Posterior):
                          "samples", "mode", "effective_dim", "prior_scale", "n_iter")
 
     def __init__(self, prior_variance="auto", noise_variance=None, *, hyper="auto",
-                 n_posterior_samples=64, n_em_steps=3, max_iter=300, learning_rate=0.1,
+                 n_posterior_samples=64, n_em_steps=3, max_iter="auto", learning_rate=0.1,
                  lr_schedule="auto", early_stopping=False, tol=1e-4, n_iter_no_change=3,
                  g_prior=False, solver="auto", validation_grid=None, name="SampledLLA"):
         self.prior_variance = prior_variance
@@ -265,7 +273,7 @@ class SampledLLAPosterior(Posterior):
         self.hyper = hyper
         self.n_posterior_samples = int(n_posterior_samples)
         self.n_em_steps = int(n_em_steps)
-        self.max_iter = int(max_iter)
+        self.max_iter = max_iter if max_iter == "auto" else int(max_iter)
         self.learning_rate = float(learning_rate)
         self.lr_schedule = lr_schedule
         self.early_stopping = bool(early_stopping)
@@ -354,6 +362,12 @@ class SampledLLAPosterior(Posterior):
         small = -(-data.n_samples // data.batch_size) <= CG_MAX_BATCHES
         return "cg" if small else "adam"
 
+    def _iterations(self, data):
+        """``max_iter``, or for ``"auto"`` the solver's :data:`AUTO_ITERATIONS`."""
+        if self.max_iter == "auto":
+            return AUTO_ITERATIONS[self._solver(data)]
+        return self.max_iter
+
     def _e_step(self, data, lik, sigma, desc, max_iter=None):
         """Solve for the samples (and the mode) at prior std ``sigma``; updates state.
 
@@ -361,7 +375,7 @@ class SampledLLAPosterior(Posterior):
         (exact in the directions the data does not constrain, where ``u = eps_0`` for
         every ``sigma``); the mode keeps ``delta = theta_bar - theta_hat``.
         """
-        max_iter = max_iter or self.max_iter
+        max_iter = max_iter or self._iterations(data)
         if self._solver(data) == "cg":
             out = self._cg_e_step(data, lik, sigma, desc, max_iter)
         else:
@@ -494,7 +508,7 @@ class SampledLLAPosterior(Posterior):
         grid = self.validation_grid
         s0s = base * np.sort(np.asarray(grid.prior_grid, dtype=np.float64))
         factors = np.asarray(grid.noise_grid, dtype=np.float64) if fit_noise else np.ones(1)
-        scan_iter = max(1, math.ceil(self.max_iter * _SCAN_FRACTION))
+        scan_iter = max(1, math.ceil(self._iterations(data) * _SCAN_FRACTION))
         scores, best, bad = [], None, 0
         seed = mc_seed(lik, data.generator)  # common random numbers across the scan
         self._sigma = math.sqrt(s0s[0]) * scale
