@@ -322,6 +322,25 @@ def test_lowrank_directions_lie_in_the_span_of_the_subset_jacobians(name, reg_da
     np.testing.assert_allclose(row.projector_eigvals_, paper.projector_eigvals_, rtol=1e-10)
 
 
+@pytest.mark.parametrize("row_space", [False, True])
+def test_lowrank_directions_do_not_depend_on_the_chunking(row_space, clf_data, clf_net):
+    """``M = J Psi J^T`` is assembled from blocks of Jacobian chunks (only those on and
+    below the diagonal, the others mirrored): one chunk and chunks of 7 points (uneven
+    last chunk, C = 3 outputs) give the same eigenvalues and the same span."""
+    from sklearn_lla._posteriors.subspace import lowrank_directions
+
+    lin = LinearizedNet(copy.deepcopy(clf_net.module_).double(),
+                        example_input=torch.as_tensor(clf_data.X[:4], dtype=torch.float64))
+    X = torch.as_tensor(clf_data.X[:30], dtype=torch.float64)
+    d = torch.linspace(0.5, 2.0, lin.n_params, dtype=torch.float64)[:, None]
+    psi = lambda T: d * T  # noqa: E731 - a diagonal Psi (not a multiple of I)
+    V1, lam1 = lowrank_directions(lin, X, 3, psi, 12, batch_size=1000, row_space=row_space)
+    V7, lam7 = lowrank_directions(lin, X, 3, psi, 12, batch_size=7, row_space=row_space)
+    np.testing.assert_allclose(lam7.numpy(), lam1.numpy(), rtol=1e-10)
+    # the same span: every principal angle between the two row spaces is zero
+    np.testing.assert_allclose(torch.linalg.svdvals(V7 @ V1.T).numpy(), 1.0, atol=1e-8)
+
+
 def test_residual_is_dropped_when_the_subspace_misses_the_data(reg_data, reg_net):
     X, y = reg_data.X, reg_data.y
     with pytest.warns(RuntimeWarning, match="misses directions the training data determine"):

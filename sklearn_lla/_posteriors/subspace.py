@@ -153,12 +153,16 @@ def lowrank_directions(lin, X, n_outputs, psi, s, batch_size=256, row_space=Fals
     def jac(sl):
         return lin.jacobian(X[sl]).double().reshape(-1, p)
 
-    for si in chunks:
+    for i, si in enumerate(chunks):
         Ji = jac(si)
         Z = psi(Ji.T)  # (p, b C)
-        for sj in chunks:
+        rows_i = slice(si.start * C, si.stop * C)
+        for sj in chunks[i:]:  # M is symmetric: the blocks on and below the diagonal
             Jj = Ji if sj == si else jac(sj)
-            M[sj.start * C:sj.stop * C, si.start * C:si.stop * C] = Jj @ Z
+            rows_j = slice(sj.start * C, sj.stop * C)
+            M[rows_j, rows_i] = Jj @ Z
+            if sj != si:
+                M[rows_i, rows_j] = M[rows_j, rows_i].T
     lam, U = _top_eigvecs(M, s, auto_dim_cap(p))
     del M
     Pm = torch.zeros((p, U.shape[1]), dtype=torch.float64, device=lin.device)
