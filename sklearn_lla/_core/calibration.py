@@ -92,7 +92,7 @@ def held_out_predictive(posterior, validation, *, max_rows=CALIBRATION_ROWS,
 
 
 def _bounded_log_search(f, lo, hi, what):
-    """Minimise ``f(log v)`` over ``[log lo, log hi]``; warn when it ends at a bound."""
+    """Minimise ``f(log v)`` over ``[log lo, log hi]``; also says whether it ends at a bound."""
     a, b = math.log(lo), math.log(hi)
     # a coarse grid first (the NLL can have a flat region), then Brent around the best
     grid = np.linspace(a, b, 41)

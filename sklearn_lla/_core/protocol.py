@@ -369,6 +369,7 @@ class Posterior(abc.ABC):
             Random source of a row subset and of Monte Carlo draws.
         """
         from . import calibration as cal
+        from .likelihoods import uses_mc_link
 
         lik = self.likelihood
         regression = lik.task == "regression"
@@ -382,7 +383,7 @@ class Posterior(abc.ABC):
                 self.noise_variance = s2
         else:
             eps = None
-            if getattr(lik, "link_approx", None) == "mc":
+            if uses_mc_link(lik):
                 gen = generator if generator is not None else torch.Generator().manual_seed(0)
                 eps = torch.randn((lik.n_samples, *mean.shape), dtype=mean.dtype, generator=gen)
             T, trace = cal.calibrate_temperature(lik, mean, cov, y, eps=eps)
