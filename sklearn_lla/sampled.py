@@ -31,6 +31,7 @@ class _SampledMixin:
     _sampled_constraints = {
         "n_posterior_samples": [Interval(Integral, 1, None, closed="left")],
         "n_em_steps": [Interval(Integral, 0, None, closed="left")],
+        "n_em_samples": [Interval(Integral, 1, None, closed="left"), StrOptions({"auto"})],
         "max_iter": [Interval(Integral, 1, None, closed="left"), StrOptions({"auto"})],
         "learning_rate": [Interval(Real, 0, None, closed="neither")],
         "lr_schedule": [StrOptions({"auto", "cosine", "constant", "step"})],
@@ -48,6 +49,7 @@ class _SampledMixin:
         return SampledLLAPosterior(
             self.prior_variance, noise, hyper=self.hyper_strategy,
             n_posterior_samples=self.n_posterior_samples, n_em_steps=self.n_em_steps,
+            n_em_samples=self.n_em_samples,
             max_iter=self.max_iter, learning_rate=self.learning_rate,
             lr_schedule=self.lr_schedule, early_stopping=self.early_stopping, tol=self.tol,
             n_iter_no_change=self.n_iter_no_change, g_prior=self.g_prior,
@@ -94,6 +96,11 @@ class SampledLLARegressor(_SampledMixin, LaplaceRegressorMixin):
     n_em_steps : int, default=3
         EM iterations of ``hyper_strategy="em"`` (one E-step each, plus a final
         E-step at the learned values).
+    n_em_samples : int or "auto", default="auto"
+        Samples solved in each EM step: the M-step needs only the effective dimension
+        ``gamma`` (the samples' mean quadratic form), so only the final E-step solves
+        all ``n_posterior_samples``. ``"auto"``: 16 in the first step, then as many as
+        bring the relative standard error of ``gamma`` (known from the samples) to 5 %.
     max_iter : int or "auto", default="auto"
         Iterations per E-step: conjugate-gradient iterations (full data passes) or
         Adam steps (minibatches of ``batch_size`` rows). ``"auto"``: up to 1,000
@@ -196,17 +203,18 @@ class SampledLLARegressor(_SampledMixin, LaplaceRegressorMixin):
     _parameter_constraints = {**REGRESSOR_CONSTRAINTS, **_SampledMixin._sampled_constraints}
 
     def __init__(self, net=None, *, n_posterior_samples=64, prior_variance="auto",
-                 noise_variance="auto", hyper_strategy="auto", n_em_steps=3, max_iter="auto",
-                 learning_rate=0.1, lr_schedule="auto", early_stopping=False, tol=1e-4,
-                 n_iter_no_change=3, g_prior=False, solver="auto", validation_fraction=0.1,
-                 trainable_only=True, device="auto", batch_size=256, random_state=None,
-                 verbose=0):
+                 noise_variance="auto", hyper_strategy="auto", n_em_steps=3,
+                 n_em_samples="auto", max_iter="auto", learning_rate=0.1, lr_schedule="auto",
+                 early_stopping=False, tol=1e-4, n_iter_no_change=3, g_prior=False,
+                 solver="auto", validation_fraction=0.1, trainable_only=True, device="auto",
+                 batch_size=256, random_state=None, verbose=0):
         self.net = net
         self.n_posterior_samples = n_posterior_samples
         self.prior_variance = prior_variance
         self.noise_variance = noise_variance
         self.hyper_strategy = hyper_strategy
         self.n_em_steps = n_em_steps
+        self.n_em_samples = n_em_samples
         self.max_iter = max_iter
         self.learning_rate = learning_rate
         self.lr_schedule = lr_schedule
@@ -248,6 +256,11 @@ class SampledLLAClassifier(_SampledMixin, LaplaceClassifierMixin):
         stopped once two candidates in a row score worse).
     n_em_steps : int, default=3
         EM iterations of ``hyper_strategy="em"``.
+    n_em_samples : int or "auto", default="auto"
+        Samples solved in each EM step: the M-step needs only the effective dimension
+        ``gamma`` (the samples' mean quadratic form), so only the final E-step solves
+        all ``n_posterior_samples``. ``"auto"``: 16 in the first step, then as many as
+        bring the relative standard error of ``gamma`` (known from the samples) to 5 %.
     max_iter : int or "auto", default="auto"
         Iterations per E-step (conjugate-gradient iterations or Adam steps);
         ``"auto"``: up to 1,000 conjugate-gradient iterations or 300 Adam steps.
@@ -346,16 +359,18 @@ class SampledLLAClassifier(_SampledMixin, LaplaceClassifierMixin):
     _parameter_constraints = {**CLASSIFIER_CONSTRAINTS, **_SampledMixin._sampled_constraints}
 
     def __init__(self, net=None, *, n_posterior_samples=64, prior_variance="auto",
-                 hyper_strategy="auto", n_em_steps=3, max_iter="auto", learning_rate=0.1,
-                 lr_schedule="auto", early_stopping=False, tol=1e-4, n_iter_no_change=3,
-                 g_prior=False, solver="auto", link_approx="probit", n_samples_predict=512,
-                 classes=None, validation_fraction=0.1, trainable_only=True, device="auto",
-                 batch_size=256, random_state=None, verbose=0):
+                 hyper_strategy="auto", n_em_steps=3, n_em_samples="auto", max_iter="auto",
+                 learning_rate=0.1, lr_schedule="auto", early_stopping=False, tol=1e-4,
+                 n_iter_no_change=3, g_prior=False, solver="auto", link_approx="probit",
+                 n_samples_predict=512, classes=None, validation_fraction=0.1,
+                 trainable_only=True, device="auto", batch_size=256, random_state=None,
+                 verbose=0):
         self.net = net
         self.n_posterior_samples = n_posterior_samples
         self.prior_variance = prior_variance
         self.hyper_strategy = hyper_strategy
         self.n_em_steps = n_em_steps
+        self.n_em_samples = n_em_samples
         self.max_iter = max_iter
         self.learning_rate = learning_rate
         self.lr_schedule = lr_schedule

@@ -130,6 +130,46 @@ def test_em_finds_evidence_optimal_prior_precision():
     assert abs(alpha - alpha_opt) / alpha_opt < 0.10
 
 
+def test_em_sample_subset():
+    """EM steps solve only as many samples as the M-step's gamma needs; the final
+    E-step solves all K, and the fixed point matches EM on all K samples."""
+    rng = np.random.RandomState(1)
+    N, D, s2 = 80, 6, 0.25
+    X = rng.randn(N, D)
+    y = X @ rng.randn(D) + math.sqrt(s2) * rng.randn(N)
+    net = nn.Linear(D, 1, dtype=torch.float64)
+    with torch.no_grad():
+        sol = np.linalg.lstsq(np.hstack([X, np.ones((N, 1))]), y, rcond=None)[0]
+        net.weight.copy_(torch.as_tensor(sol[:D])[None])
+        net.bias.fill_(float(sol[D]))
+    kw = dict(noise_variance=s2, n_posterior_samples=128, n_em_steps=4, random_state=0,
+              device="cpu")
+    auto = SampledLLARegressor(net, **kw).fit(X, y)
+    full = SampledLLARegressor(net, n_em_samples=128, **kw).fit(X, y)
+    ks = [st["n_samples"] for st in auto.hyper_trace_["steps"]]
+    gammas = np.array([st["effective_dim"] for st in auto.hyper_trace_["steps"]])
+    # gamma <= D + 1 = 7: one sample's q_k has relative std ~ sqrt(2 / gamma) ~ 0.55,
+    # so 16 samples give a relative standard error ~ 0.14 > 0.05 and "auto" grows k
+    assert ks[0] == 16 and ks[1] > 16 and all(k <= 128 for k in ks)
+    assert [st["n_samples"] for st in full.hyper_trace_["steps"]] == [128] * 4
+    assert auto.posterior_.samples.shape[0] == 128  # the final E-step solves all K
+    # each step's gamma against the closed form tr((G + I / s0^2)^-1 G) at the prior
+    # variance its E-step used: within 3 standard errors of the samples it used
+    Phi = np.hstack([X, np.ones((N, 1))])
+    G = Phi.T @ Phi / s2
+    used = auto.hyper_trace_["prior_variance"][:-1]
+    exact = np.array([np.trace(np.linalg.solve(G + np.eye(D + 1) / v, G)) for v in used])
+    rse = np.sqrt(2.0 / exact / np.array(ks))  # q_k ~ chi-square-like: var ~ 2 gamma
+    assert np.all(np.abs(gammas / exact - 1) < 3 * rse), (gammas, exact)
+    # the same fixed point within the standard error of the M-step (5 %, x 2)
+    assert abs(auto.prior_variance_ / full.prior_variance_ - 1) < 0.1
+    # an integer fixes the count (capped at K)
+    few = SampledLLARegressor(net, n_em_samples=4, **kw).fit(X, y)
+    assert [st["n_samples"] for st in few.hyper_trace_["steps"]] == [4] * 4
+    capped = SampledLLARegressor(net, **{**kw, "n_posterior_samples": 8}).fit(X, y)
+    assert [st["n_samples"] for st in capped.hyper_trace_["steps"]] == [8] * 4
+
+
 def test_em_noise_variance_and_g_prior(reg_data, reg_net):
     est = SampledLLARegressor(reg_net, n_posterior_samples=16, n_em_steps=2, g_prior=True,
                               random_state=0, **FAST).fit(reg_data.X, reg_data.y)
