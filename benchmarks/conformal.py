@@ -32,6 +32,8 @@ estimators' ``random_state`` all take ``s``):
    * ``LLA / ELLA conformal (auto)``: ``fit(X_train, y_train,
      validation_data=(X_cal, y_cal))``: the estimator calibrates its noise variance
      on those rows and then its conformal scores on the same rows, automatically;
+   * ``--regressors`` adds the same three rows for subspace Laplace, sampled LLA,
+     VaLLA and FMGP (their default regressors);
    * classification: ``mapie.classification.SplitConformalClassifier`` (LAC and APS,
      MAPIE's defaults: APS includes the last label) on the raw softmax of the net,
      vs ``LLAClassifier`` / ``ELLAClassifier`` + ``conformalize`` and
@@ -82,10 +84,15 @@ CONFIDENCES = (0.8, 0.9, 0.95)
 REGRESSION = ("diabetes", "friedman1", "hetero")
 SHIFT = 1.5  # training standard deviations of x0
 
-REG_METHODS = ("MAPIE split (raw net)", "LLA Gaussian", "ELLA Gaussian", "LLA conformal",
-               "ELLA conformal", "LLA conformal (auto)", "ELLA conformal (auto)")
-OURS = ("LLA conformal", "ELLA conformal", "LLA conformal (auto)", "ELLA conformal (auto)")
+#: ``--regressors`` labels and their estimators (``sklearn_lla`` names), defaults used.
+REGRESSORS = {"LLA": "LLARegressor", "ELLA": "ELLARegressor",
+              "subspace": "SubspaceLaplaceRegressor", "sampled": "SampledLLARegressor",
+              "VaLLA": "VaLLARegressor", "FMGP": "FMGPRegressor"}
 MAPIE = "MAPIE split (raw net)"
+REG_METHODS = ((MAPIE,) + tuple(f"{k} Gaussian" for k in REGRESSORS)
+               + tuple(f"{k} conformal" for k in REGRESSORS)
+               + tuple(f"{k} conformal (auto)" for k in REGRESSORS))
+OURS = tuple(m for m in REG_METHODS if "conformal" in m)
 
 
 # ---------------------------------------------------------------------------- data
@@ -130,13 +137,14 @@ def interval_metrics(y, lo, hi, c):
 
 
 # ---------------------------------------------------------------------- regression
-def run_regression(name, seed):
+def run_regression(name, seed, regressors=("LLA", "ELLA")):
     """Records ``{dataset, seed, method, confidence, coverage, width, winkler, ...}``."""
     from mapie.regression import SplitConformalRegressor
     from scipy.stats import norm
     from sklearn.preprocessing import StandardScaler
 
-    from sklearn_lla import ELLARegressor, LLARegressor
+    import sklearn_lla
+    from sklearn_lla import LLARegressor
 
     X, y = load_regression(name)
     X_tr, X_ca, X_te, y_tr, y_ca, y_te = split3(X, y, seed)
@@ -162,7 +170,9 @@ def run_regression(name, seed):
         timing[label] = timing.get(label, 0.0) + time.perf_counter() - t
         return out
 
-    for label, Est in (("LLA", LLARegressor), ("ELLA", ELLARegressor)):
+    lla = None
+    for label in regressors:
+        Est = getattr(sklearn_lla, REGRESSORS[label])
         est = timed(label, lambda Est=Est: Est(net, random_state=seed).fit(Xs_tr, ys_tr))
         for k, Xk in Xs.items():
             m, s = est.predict(Xk, return_std=True)
@@ -184,6 +194,9 @@ def run_regression(name, seed):
 
     # MAPIE on the raw net: our LLARegressor's predict IS the network's output
     import torch
+
+    if lla is None:
+        lla = LLARegressor(net, random_state=seed).fit(Xs_tr, ys_tr)
 
     with torch.no_grad():
         raw = net.forward(Xs[name].astype(np.float32)).double().numpy().ravel()
@@ -532,6 +545,8 @@ def main(argv=None):
                     help=f"regression data sets among {REGRESSION}")
     ap.add_argument("--no-classification", action="store_true", help="skip digits")
     ap.add_argument("--classifiers", default="LLA,ELLA", help="LLA and/or ELLA on digits")
+    ap.add_argument("--regressors", default="LLA,ELLA",
+                    help=f"comma-separated subset of {', '.join(REGRESSORS)}")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", help="also write the markdown tables to this file")
     ap.add_argument("--json", help="write every record (per seed) as JSON to this file")
@@ -544,7 +559,8 @@ def main(argv=None):
     for name in [d for d in args.datasets.split(",") if d]:
         for seed in seeds:
             t = time.perf_counter()
-            recs, info = run_regression(name, seed)
+            recs, info = run_regression(name, seed, tuple(
+                r for r in args.regressors.split(",") if r))
             reg_records += recs
             infos.append(info)
             print(f"{name} seed {seed}: {time.perf_counter() - t:.1f} s, MAPIE recipe max "

@@ -75,8 +75,10 @@ class ELLARegressor(_ELLAMixin, LaplaceRegressorMixin):
     noise_variance : float or "auto", default="auto"
         ``s2``. ``"auto"``: with held-out rows the network did not fit
         (``validation_data``, rows held out when ``fit`` trains the net, or a skorch
-        net's own validation split) the held-out NLL's minimiser along the evidence
-        ridge; without them the evidence, jointly with the prior.
+        net's own validation split) the evidence's pair ``(s0^2, s2)`` rescaled to
+        ``(c s0^2, c s2)``, ``c`` the held-out NLL's minimiser (the posterior is ``c``
+        times the evidence's: its shape is kept); without them the evidence, jointly
+        with the prior.
     hyper_strategy : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
         The objective of ``"auto"`` prior variances: ``"auto"`` and ``"evidence"``
         the Laplace evidence, ``"weight_norm"`` ``||theta||^2 / P``;

@@ -83,9 +83,10 @@ class LLARegressor(_LLAMixin, LaplaceRegressorMixin):
         ``s2`` of the Gaussian likelihood, one variance shared by all targets.
         ``"auto"``: with held-out rows the network did not fit (``validation_data``,
         rows held out when ``fit`` trains the net, or a skorch net's own validation
-        split) the held-out NLL's minimiser along the evidence ridge (for each
-        candidate noise the prior is the evidence optimum); without them, the
-        evidence jointly with the prior.
+        split) the evidence's pair ``(s0^2, s2)`` rescaled to ``(c s0^2, c s2)``,
+        ``c`` the held-out NLL's minimiser (the posterior at the rescaled pair is ``c``
+        times the evidence's, so its shape is kept); without them, the evidence
+        jointly with the prior.
     hyper_strategy : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
         The objective of ``"auto"`` prior variances: ``"auto"`` and ``"evidence"``
         the Laplace evidence, ``"weight_norm"`` ``||theta||^2 / P``;

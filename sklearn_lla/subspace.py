@@ -70,8 +70,9 @@ class SubspaceLaplaceRegressor(_SubspaceMixin, LaplaceRegressorMixin):
         support the network.
     noise_variance : float or "auto", default="auto"
         ``s2``. ``"auto"``: with held-out rows (``validation_data``, or rows held out
-        from the network), the held-out likelihood; otherwise the subspace model's
-        Laplace evidence; both along the prior's evidence ridge.
+        from the network), the pair chosen without them rescaled to ``(c s0^2, c
+        s2)``, ``c`` the held-out NLL's minimiser (the posterior's shape is kept);
+        otherwise the subspace model's Laplace evidence along the prior's ridge.
     hyper_strategy : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
         ``"auto"``: as above. Otherwise the ``"auto"`` variances by this strategy on
         the subspace model (``"validation"``, the joint held-out grid, only when

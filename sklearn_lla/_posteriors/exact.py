@@ -15,8 +15,9 @@ The GGN posterior is formed explicitly in float64, either
 
 Hyperparameters (``"auto"``): the prior variance by the closed-form Laplace evidence
 (the weight norm for full-network classification), the noise variance by the evidence
-too, or, when there are rows the network did not fit, calibrated on them along the
-evidence ridge (:class:`~sklearn_lla._core.hyper.HeldOutNoise`); classifiers get a
+too; when there are rows the network did not fit, they fit one scale ``c`` of the
+evidence's pair, ``(c s0^2, c s2)`` (:class:`~sklearn_lla._core.hyper.HeldOutNoise`);
+classifiers get a
 temperature calibrated on such rows (:mod:`sklearn_lla._core.hyper`,
 ``docs/hyperparameters.md``).
 """
@@ -31,7 +32,6 @@ import torch
 
 from .._core.hyper import (
     HeldOutNoise,
-    HyperparameterWarning,
     resolve_strategy,
     select_from_spectrum,
 )
@@ -167,10 +167,11 @@ class FunctionSpacePosterior(Posterior):
         self.log_evidence = fit_term - 0.5 * self._kw["theta_sq_norm"] / s0 - 0.5 * logdet
 
     def calibrate(self, validation, *, noise, temperature, generator=None):
-        """Calibrate on held-out rows; regression: the noise along the evidence ridge.
+        """Calibrate on held-out rows; regression: one scale of the objective's pair.
 
-        As :meth:`sklearn_lla._posteriors.glm.GLMPosterior.calibrate`: every candidate
-        noise variance is paired with the prior variance the objective picks for it.
+        As :meth:`sklearn_lla._posteriors.glm.GLMPosterior.calibrate`: the exact
+        rescaling ``(c s0^2, c s2)`` of the evidence's pair (a fixed prior variance: the
+        noise variance alone).
 
         Parameters
         ----------
@@ -186,27 +187,16 @@ class FunctionSpacePosterior(Posterior):
                                      generator=generator)
         if not noise:
             return None
-        import warnings
 
         stats = self._held_out_stats(validation)
         base_noise = max(sum(float(((y - g) ** 2).sum()) for g, _, _, y in stats)
                          / sum(y.numel() for *_, y in stats), 1e-12)
 
-        def prior_of(s2, quiet=True):
-            if not self._auto_prior:
-                return self.prior_variance
-            with warnings.catch_warnings():
-                if quiet:
-                    warnings.simplefilter("ignore", HyperparameterWarning)
-                return select_from_spectrum(self._strategy, "auto", float(s2),
-                                            **self._kw).prior_variance
-
         s0, s2, trace = HeldOutNoise().select(
-            prior_of, score=lambda s0s, s2s: self._score_pairs(stats, s0s, s2s),
-            base_noise=base_noise,
+            lambda s2: self.prior_variance,  # used only for a fixed prior variance
+            score=lambda s0s, s2s: self._score_pairs(stats, s0s, s2s), base_noise=base_noise,
             anchor=(self.prior_variance, self.noise_variance) if self._auto_prior else None)
-        self._set_hyperparameters(prior_of(s2, quiet=False) if trace["scale"] is None else s0,
-                                  s2)
+        self._set_hyperparameters(s0, s2)
         self.hyper_trace = {**(self.hyper_trace or {}), "calibration": trace}
         return None
 

@@ -475,8 +475,9 @@ class GLMPosterior(Posterior):
             warnings.simplefilter("ignore", HyperparameterWarning)
             res = self._objective(data, e, F, prior_scale, fit_stat, n_seen, warn=False)
             if self._regression and self.noise_variance == "auto" and res.strategy != "validation":
-                _, _, trace = self._noise_profile(data.validation, e, F, prior_scale, fit_stat,
-                                                  n_seen, warn=False)
+                _, _, trace = self._noise_profile(
+                    data.validation, e, F, prior_scale, fit_stat, n_seen, warn=False,
+                    anchor=(res.prior_variance, res.noise_variance))
                 return trace["best_score"]
         if res.strategy == "validation":
             return res.trace["best_score"]
@@ -584,14 +585,13 @@ class GLMPosterior(Posterior):
             base_noise=base_noise, warn=warn, anchor=anchor if self._auto_prior else None)
 
     def calibrate(self, validation, *, noise, temperature, generator=None):
-        """Calibrate on held-out rows; regression: the noise along the evidence ridge.
+        """Calibrate on held-out rows; regression: one scale of the objective's pair.
 
-        Regression (``noise``): :class:`~sklearn_lla._core.hyper.HeldOutNoise`, every
-        candidate noise variance paired with the prior variance the objective chooses
-        for it, so the latent covariance stays the consistent posterior's (and, when
-        the latent variance alone over-explains the held-out residuals, the rescalings
-        ``(c s0^2, c s2)``, ``c < 1``, of the objective's own pair).
-        Classification: the generic temperature of
+        Regression (``noise``): :class:`~sklearn_lla._core.hyper.HeldOutNoise`: with the
+        prior chosen by the objective, the exact rescaling ``(c s0^2, c s2)`` of its
+        pair with the held-out NLL's best ``c`` (the posterior at the rescaled pair is
+        ``c`` times the objective's: its shape is kept); with a fixed prior variance,
+        the noise variance alone. Classification: the generic temperature of
         :meth:`~sklearn_lla._core.protocol.Posterior.calibrate`.
 
         Parameters
@@ -611,10 +611,6 @@ class GLMPosterior(Posterior):
         s0, s2, trace = self._noise_profile(
             validation, self.eigvals, self._factor, self.prior_scale, self._fit_stat,
             self.n_seen, anchor=(self.prior_variance, float(self.likelihood.noise_variance)))
-        if trace["scale"] is None:
-            # the winner's prior once more, now with the objective's warnings (bounds)
-            s0 = self._prior_given_noise(s2, self._spectrum(self.eigvals, self.prior_scale,
-                                                            self._fit_stat, self.n_seen))
         self._set_hyperparameters(self.likelihood, s0, s2)
         self.hyper_trace = {**(self.hyper_trace or {}), "calibration": trace}
         return None
