@@ -363,9 +363,17 @@ def test_early_stopping_and_convergence_warning(reg_data, reg_net):
     est = SampledLLARegressor(reg_net, early_stopping=True, tol=1e-3, max_iter=5000,
                               learning_rate=0.05, solver="adam", **kw).fit(reg_data.X, reg_data.y)
     assert est.n_iter_[-1] < 5000
-    with pytest.warns(ConvergenceWarning, match="max_iter"):
-        SampledLLARegressor(reg_net, max_iter=30, learning_rate=1e-3, solver="adam",
-                            lr_schedule="constant", **kw).fit(reg_data.X, reg_data.y)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cut = SampledLLARegressor(reg_net, max_iter=30, learning_rate=1e-3, solver="adam",
+                                  lr_schedule="constant", n_posterior_samples=8, n_em_steps=2,
+                                  device="cpu", random_state=0).fit(reg_data.X, reg_data.y)
+    # EM's E-steps are warm-started partial solves by design: only the final E-step
+    # (the samples kept) warns; the trace says which EM steps were cut
+    conv = [w for w in caught if issubclass(w.category, ConvergenceWarning)]
+    assert len(conv) == 1 and "posterior samples: max_iter=30" in str(conv[0].message)
+    steps = cut.hyper_trace_["steps"]
+    assert len(steps) == cut.n_em_steps and all(st["cut_at_max_iter"] for st in steps)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ConvergenceWarning)
         est.predict(reg_data.X_test)

@@ -699,14 +699,22 @@ class SampledLLAPosterior(Posterior):
 
         def step(prior_variance):
             it, k = len(self.n_iter) + 1, state["k"]
-            self._e_step(data, state["lik"], math.sqrt(prior_variance) * scale,
-                         f"EM step {it}/{self.n_em_steps}", k=k)
+            # a warm-started partial E-step is part of EM's design (the next one goes
+            # on from it); only the final E-step, whose samples are kept, warns
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", ConvergenceWarning)
+                self._e_step(data, state["lik"], math.sqrt(prior_variance) * scale,
+                             f"EM step {it}/{self.n_em_steps}", k=k)
+            cut = any(issubclass(w.category, ConvergenceWarning) for w in caught)
+            for w in caught:  # anything else is passed on
+                if not issubclass(w.category, ConvergenceWarning):
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
             q, rss = self._statistics(data, state["lik"], self._delta, self._Z[:k])
             gamma = float(q.mean())
             state["k"] = self._next_em_samples(k, q)
             w_sq = float(((self._theta_hat + self._delta) / scale).pow(2).sum())
             info = {"effective_dim": gamma, "mode_sq_norm": w_sq, "n_iter": self.n_iter[-1],
-                    "n_samples": k}
+                    "n_samples": k, "cut_at_max_iter": cut}
             new = max(w_sq / max(gamma, 1e-12), 1e-12) if fit_prior else prior_variance
             if fit_noise:
                 s2_new = max(rss / max(N * C - gamma, 1.0), 1e-12)
