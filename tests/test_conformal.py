@@ -206,6 +206,26 @@ def test_automatic_calibration_reusing_the_noise_rows_keeps_coverage(reg_data, r
     _betabinom_mean_check(cover, n, k, m, "automatic calibration")
 
 
+@pytest.mark.parametrize("space", ["parameter", "function"])
+def test_automatic_calibration_equals_conformalize_for_a_rescaled_posterior(space, reg_data,
+                                                                           reg_net):
+    """Held-out rows fit one scale c of the evidence's pair: sigma(x) becomes sqrt(c)
+    sigma(x) everywhere and the conformal quantile q / sqrt(c), so the intervals of
+    fit(validation_data=cal) are those of fit() + conformalize(cal), to rounding."""
+    rng = np.random.RandomState(7)
+    Xc, yc = _reg_draw(60, rng)
+    Xq = np.vstack([_reg_draw(30, rng)[0], 3.0 * _reg_draw(10, rng)[0]])
+    auto = LLARegressor(reg_net, space=space, device="cpu").fit(
+        reg_data.X, reg_data.y, validation_data=(Xc, yc))
+    plain = LLARegressor(reg_net, space=space, device="cpu").fit(
+        reg_data.X, reg_data.y).conformalize(Xc, yc)
+    c = auto.hyper_trace_["calibration"]["scale"]
+    assert abs(c - 1.0) > 1e-3  # the calibration did rescale
+    for conf in (0.8, 0.9):
+        np.testing.assert_allclose(auto.predict_interval(Xq, conf),
+                                   plain.predict_interval(Xq, conf), rtol=1e-8, atol=1e-10)
+
+
 def test_multi_output_is_per_target(reg2_data, reg2_net):
     est = LLARegressor(reg2_net, device="cpu").fit(reg2_data.X, reg2_data.y)
     rng = np.random.RandomState(3)
