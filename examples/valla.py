@@ -6,10 +6,11 @@ Trains a small tanh MLP on two clusters of points with skorch's ``train_split=No
 (the network sees every row), then fits :class:`~sklearn_lla.VaLLARegressor` with its
 defaults twice on the same network:
 
-* without held-out rows: 100 inducing inputs (k-means) and the variational factor start
-  at their optimum, the prior and noise variances come from VaLLA's own objective (an
-  ELBO whose KL includes the network's weights, so the prior variance has a finite
-  optimum), and the run stops when the objective stops improving;
+* without held-out rows: up to 300 inducing inputs (k-means; here every training row)
+  and the variational factor start at their optimum, the prior and noise variances
+  come from VaLLA's own objective (an ELBO whose KL includes the network's weights,
+  so the prior variance has a finite optimum), and the run stops when the objective
+  stops improving;
 * with ``validation_data`` (rows the network did not fit): the same fit, then the noise
   variance is calibrated on those rows with the latent covariance kept.
 
@@ -74,7 +75,8 @@ for ax, (name, valla) in zip(axes, fits.items()):
     ax.scatter(X[:, 0], y, s=8, c="k", label="training data", zorder=3)
     if name == "validation_data":
         ax.scatter(Xv[:, 0], yv, s=8, c="C3", label="held-out data", zorder=3)
-    for est, label, color in [(exact, "exact LLA", "C0"), (valla, "VaLLA (M = 100)", "C1")]:
+    m_valla = f"VaLLA (M = {len(valla.inducing_outputs_)})"
+    for est, label, color in [(exact, "exact LLA", "C0"), (valla, m_valla, "C1")]:
         mean, std = est.predict(grid, return_std=True)
         ax.fill_between(grid[:, 0], mean - 2 * std, mean + 2 * std, alpha=0.25,
                         color=color, label=f"{label}: mean +- 2 std")
