@@ -381,6 +381,17 @@ def test_defaults_stop_early_without_convergence_warnings():
             warnings.simplefilter("error", ConvergenceWarning)
             est = Est(net, device="cpu", random_state=0).fit(X, y)
         assert est.n_iter_ < 1000
+        # n_inducing="auto": 300 pairs in regression (at most the rows), 100 in
+        # classification (M / C per class)
+        assert est.n_inducing == ("auto" if Est is VaLLARegressor else 100)
+        n_pairs = len(est.inducing_outputs_)
+        if Est is VaLLARegressor:
+            assert n_pairs == 300
+            small = Est(net, max_iter=1, early_stopping=False, device="cpu", random_state=0)
+            small.fit(X[:120], y[:120])
+            assert len(small.inducing_outputs_) == 120  # capped at the training rows
+        else:
+            assert n_pairs == 100 and np.bincount(est.inducing_outputs_).min() >= 33
 
 
 # ---------------------------------------------------------------------------------
