@@ -507,9 +507,9 @@ class HeldOutNoise:
             c, sc, i = _refine(c, sc, i, by_scale)
         elif i == 0 and warn:
             warnings.warn(
-                f"the held-out rows call for less than {SCALE_GRID[0]:g} times the largest "
-                "scale of the variances the objective chose that their residuals allow: the "
-                "posterior's latent variance alone over-explains them (they may not come from "
+                f"the held-out rows call for a scale of the objective's variances below "
+                f"{SCALE_GRID[0]:g} times the largest their residuals allow: the posterior's "
+                "latent variance alone over-explains them (they may not come from "
                 "the training data's distribution, or their targets are not on the scale of y)",
                 HyperparameterWarning, stacklevel=3)
         trace = {"prior_variance": a0 * c, "noise_variance": a2 * c, "score": sc,
