@@ -302,8 +302,7 @@ class ValidationGrid:
         HyperResult
         """
         s0, s2 = self.candidates(prior_variance, noise_variance, base_prior, base_noise)
-        scores = np.asarray(score(s0, s2), dtype=np.float64).reshape(len(s0), len(s2))
-        scores = np.where(np.isfinite(scores), scores, np.inf)
+        scores = _finite_scores(score(s0, s2)).reshape(len(s0), len(s2))
         if not np.isfinite(scores).any():
             raise FloatingPointError(
                 "the validation NLL is not finite for any candidate hyperparameter"
@@ -389,13 +388,18 @@ class VariationalEnergy:
 SCALE_GRID = np.logspace(-4, 0.2, 85)
 
 
+def _finite_scores(scores):
+    """A flat float64 array of held-out NLLs, non-finite ones replaced by ``inf``."""
+    scores = np.asarray(scores, dtype=np.float64).reshape(-1)
+    return np.where(np.isfinite(scores), scores, np.inf)
+
+
 def _refine(values, scores, i, score):
     """Re-score 11 points between the neighbours of ``values[i]`` (log spacing of the
     grid) and return the arrays with the better one appended (or unchanged), and its index."""
     step = np.log(values[1] / values[0])
     fine = values[i] * np.exp(np.linspace(-step, step, 11))
-    fs = np.asarray(score(fine), dtype=np.float64).reshape(-1)
-    fs = np.where(np.isfinite(fs), fs, np.inf)
+    fs = _finite_scores(score(fine))
     j = int(np.argmin(fs))
     if fs[j] < scores[i]:
         return np.concatenate([values, fine]), np.concatenate([scores, fs]), len(scores) + j
@@ -462,20 +466,18 @@ class HeldOutNoise:
         if anchor is not None:
             return self._rescale(anchor, score, base_noise, warn)
         s2 = base_noise * self.noise_grid
-        s0 = np.array([prior_of(v) for v in s2])
 
         def by_noise(v):
             return score(np.array([prior_of(u) for u in v]), v)
 
-        sc = np.asarray(score(s0, s2), dtype=np.float64).reshape(-1)
-        sc = np.where(np.isfinite(sc), sc, np.inf)
+        sc = _finite_scores(by_noise(s2))
         if not np.isfinite(sc).any():
             raise FloatingPointError("the held-out NLL is not finite for any noise variance")
         i = int(np.argmin(sc))
         at_edge = len(s2) > 1 and i in (0, len(s2) - 1)
         if not at_edge and len(s2) > 1:
             s2, sc, i = _refine(s2, sc, i, by_noise)
-            s0 = np.array([prior_of(v) for v in s2])
+        s0 = np.array([prior_of(v) for v in s2])
         if at_edge and warn:
             where = "lower" if i == 0 else "upper"
             msg = (f"the noise variance calibrated on the held-out rows is at the {where} edge "
@@ -498,8 +500,7 @@ class HeldOutNoise:
         def by_scale(v):
             return score(a0 * v, a2 * v)
 
-        sc = np.asarray(by_scale(c), dtype=np.float64).reshape(-1)
-        sc = np.where(np.isfinite(sc), sc, np.inf)
+        sc = _finite_scores(by_scale(c))
         if not np.isfinite(sc).any():
             raise FloatingPointError("the held-out NLL is not finite for any scale")
         i = int(np.argmin(sc))

@@ -476,7 +476,7 @@ class GLMPosterior(Posterior):
             res = self._objective(data, e, F, prior_scale, fit_stat, n_seen, warn=False)
             if self._regression and self.noise_variance == "auto" and res.strategy != "validation":
                 _, _, trace = self._noise_profile(
-                    data.validation, e, F, prior_scale, fit_stat, n_seen, warn=False,
+                    data.validation, e, F, prior_scale, warn=False,
                     anchor=(res.prior_variance, res.noise_variance))
                 return trace["best_score"]
         if res.strategy == "validation":
@@ -559,29 +559,16 @@ class GLMPosterior(Posterior):
             base_noise=base_noise, **kw)
 
     # ---------------------------------------------------------------- calibration
-    def _prior_given_noise(self, s2, kw):
-        """The objective's prior variance for the noise variance ``s2``."""
-        if not self._auto_prior:
-            return float(self.prior_variance)
-        return select_from_spectrum(self._strategy, "auto", float(s2), **kw).prior_variance
-
-    def _noise_profile(self, val, e, T, prior_scale, fit_stat, n_seen, warn=True, anchor=None):
-        """:class:`~sklearn_lla._core.hyper.HeldOutNoise` on this spectrum."""
-        import warnings
-
+    def _noise_profile(self, val, e, T, prior_scale, warn=True, anchor=None):
+        """:class:`~sklearn_lla._core.hyper.HeldOutNoise` on this spectrum: one scale of
+        ``anchor`` for an ``"auto"`` prior, else the noise under the fixed prior."""
         feats = self.features
         bs = min(val.batch_size, feats.max_batch(val.n_outputs))
         sq, cnt = val.reduce(validation_residuals, feats.lin, bs)
         base_noise = max(float(sq) / max(cnt, 1), 1e-12)
-        kw = self._spectrum(e, prior_scale, fit_stat, n_seen)
-
-        def prior_of(s2):
-            with warnings.catch_warnings():  # the winner's objective is re-run in calibrate
-                warnings.simplefilter("ignore", HyperparameterWarning)
-                return self._prior_given_noise(s2, kw)
-
         return self.held_out_noise.select(
-            prior_of, score=lambda s0s, s2s: self._score_eig(val, e, T, prior_scale, s0s, s2s),
+            lambda s2: float(self.prior_variance),  # used only for a fixed prior
+            score=lambda s0s, s2s: self._score_eig(val, e, T, prior_scale, s0s, s2s),
             base_noise=base_noise, warn=warn, anchor=anchor if self._auto_prior else None)
 
     def calibrate(self, validation, *, noise, temperature, generator=None):
@@ -609,8 +596,8 @@ class GLMPosterior(Posterior):
         if not noise:
             return None
         s0, s2, trace = self._noise_profile(
-            validation, self.eigvals, self._factor, self.prior_scale, self._fit_stat,
-            self.n_seen, anchor=(self.prior_variance, float(self.likelihood.noise_variance)))
+            validation, self.eigvals, self._factor, self.prior_scale,
+            anchor=(self.prior_variance, float(self.likelihood.noise_variance)))
         self._set_hyperparameters(self.likelihood, s0, s2)
         self.hyper_trace = {**(self.hyper_trace or {}), "calibration": trace}
         return None

@@ -399,16 +399,33 @@ class SampledLLAPosterior(Posterior):
         """
         max_iter = max_iter or self._iterations(data)
         k = self.n_posterior_samples if k is None else int(k)
-        U = self._Z / self._sigma
-        if self._solver(data) == "cg":
-            out, U[:k] = self._cg_e_step(data, lik, sigma, desc, max_iter, k)
-        else:
-            out, U[:k] = self._adam_e_step(data, lik, sigma, desc, max_iter, k)
+        U = self._Z / self._sigma  # the start, in whitened coordinates
+        B = self._eps0[:k] + sigma * self._S[:k]  # the samples' targets u_n
+        solve = self._cg_e_step if self._solver(data) == "cg" else self._adam_e_step
+        out, U[:k] = solve(data, lik, sigma, desc, max_iter, U[:k], B)
         self._Z = sigma * U
         self._sigma = sigma
         return out
 
-    def _cg_e_step(self, data, lik, sigma, desc, max_iter, k):
+    def _partial_e_step(self, *args, **kwargs):
+        """:meth:`_e_step` without its ConvergenceWarning; returns whether it was cut.
+
+        EM's and the validation scan's E-steps are warm-started partial solves by
+        design (the next one goes on from where this one stopped); only the final
+        E-step, whose samples are kept, warns. Every other warning is passed on.
+        """
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ConvergenceWarning)
+            self._e_step(*args, **kwargs)
+        cut = False
+        for w in caught:
+            if issubclass(w.category, ConvergenceWarning):
+                cut = True
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return cut
+
+    def _cg_e_step(self, data, lik, sigma, desc, max_iter, X, B):
         """Conjugate gradients on ``(I + sigma G sigma) u = b``, all columns.
 
         ``G = sum_n J_n^T Lam_n J_n`` (one full data pass per iteration, all columns
@@ -416,11 +433,10 @@ class SampledLLAPosterior(Posterior):
         the samples and ``sigma q`` for the mode (see :meth:`_perturbation_pass`). A
         column is converged when its residual is below ``tol`` times its right-hand
         side (relative); the run ends when all are, or after ``max_iter`` iterations
-        (a :class:`~sklearn.exceptions.ConvergenceWarning`). Returns the trace and the
-        whitened samples ``u_1..u_k``; sets the mode.
+        (a :class:`~sklearn.exceptions.ConvergenceWarning`). ``X`` (k, P) is the
+        samples' whitened start and ``B`` their right-hand sides; returns the trace and
+        the whitened samples ``u_1..u_k``, and sets the mode.
         """
-        B = self._eps0[:k] + sigma * self._S[:k]
-        X = self._Z[:k] / self._sigma
         if self._with_mode:
             B = torch.cat([(sigma * self._q)[None], B])
             X = torch.cat([((self._theta_hat + self._delta) / sigma)[None], X])
@@ -471,14 +487,14 @@ class SampledLLAPosterior(Posterior):
         return {"solver": "cg", "n_iter": it, "relative_residual": rel,
                 "converged": rel <= self.tol}, X
 
-    def _adam_e_step(self, data, lik, sigma, desc, max_iter, k):
-        """Minibatch Adam on the same objective (:func:`sklearn_lla._core.optim.minimize`);
-        returns the trace and the whitened samples ``u_1..u_k``, sets the mode."""
+    def _adam_e_step(self, data, lik, sigma, desc, max_iter, U, U_n):
+        """Minibatch Adam on the same objective (:func:`sklearn_lla._core.optim.minimize`)
+        from the whitened start ``U`` towards the targets ``U_n``; returns the trace and
+        the whitened samples ``u_1..u_k``, and sets the mode."""
         lin, N = data.lin, data.n_samples
         m = 1 if self._with_mode else 0
         w_hat = self._theta_hat / sigma
-        U_n = self._eps0[:k] + sigma * self._S[:k]
-        cols = [self._Z[:k] / self._sigma]
+        cols = [U]
         if m:
             cols.insert(0, (self._delta / sigma)[None])
         V = torch.cat(cols).requires_grad_(True)
@@ -538,10 +554,8 @@ class SampledLLAPosterior(Posterior):
         self._sigma = math.sqrt(s0s[0]) * scale
         self._Z = self._eps0 * self._sigma
         for i, s0 in enumerate(s0s):
-            with warnings.catch_warnings():  # short warm-started runs, by design
-                warnings.simplefilter("ignore", ConvergenceWarning)
-                self._e_step(data, lik, math.sqrt(s0) * scale,
-                             f"validation scan {i + 1}/{len(s0s)}", scan_iter)
+            self._partial_e_step(data, lik, math.sqrt(s0) * scale,
+                                 f"validation scan {i + 1}/{len(s0s)}", scan_iter)
             row = self._validation_nll(data, lik, factors, s2_ref, seed)
             scores.append(row)
             j = int(np.argmin(row))
@@ -699,16 +713,8 @@ class SampledLLAPosterior(Posterior):
 
         def step(prior_variance):
             it, k = len(self.n_iter) + 1, state["k"]
-            # a warm-started partial E-step is part of EM's design (the next one goes
-            # on from it); only the final E-step, whose samples are kept, warns
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", ConvergenceWarning)
-                self._e_step(data, state["lik"], math.sqrt(prior_variance) * scale,
-                             f"EM step {it}/{self.n_em_steps}", k=k)
-            cut = any(issubclass(w.category, ConvergenceWarning) for w in caught)
-            for w in caught:  # anything else is passed on
-                if not issubclass(w.category, ConvergenceWarning):
-                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            cut = self._partial_e_step(data, state["lik"], math.sqrt(prior_variance) * scale,
+                                       f"EM step {it}/{self.n_em_steps}", k=k)
             q, rss = self._statistics(data, state["lik"], self._delta, self._Z[:k])
             gamma = float(q.mean())
             state["k"] = self._next_em_samples(k, q)

@@ -409,11 +409,6 @@ class SubspacePosterior(GLMPosterior):
                                             trace["noise_variance"]])
         return HyperResult(s0 * prior_scale, s2, "evidence", trace)
 
-    def _prior_given_noise(self, s2, kw):
-        if not self._kfac_ridge:
-            return super()._prior_given_noise(s2, kw)
-        return self._kfac_prior_at(s2) * kw.get("prior_scale", 1.0)
-
     def _inside_trace(self):
         """``tr((V^T V)^-1 V^T G V)``: the GGN's trace inside ``span(P)``."""
         if self.eigvals is not None:
