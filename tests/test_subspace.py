@@ -334,8 +334,9 @@ def test_lowrank_directions_do_not_depend_on_the_chunking(row_space, clf_data, c
     X = torch.as_tensor(clf_data.X[:30], dtype=torch.float64)
     d = torch.linspace(0.5, 2.0, lin.n_params, dtype=torch.float64)[:, None]
     psi = lambda T: d * T  # noqa: E731 - a diagonal Psi (not a multiple of I)
-    V1, lam1 = lowrank_directions(lin, X, 3, psi, 12, batch_size=1000, row_space=row_space)
-    V7, lam7 = lowrank_directions(lin, X, 3, psi, 12, batch_size=7, row_space=row_space)
+    kw = dict(row_space=row_space, method="dense")
+    V1, lam1 = lowrank_directions(lin, X, 3, psi, 12, batch_size=1000, **kw)
+    V7, lam7 = lowrank_directions(lin, X, 3, psi, 12, batch_size=7, **kw)
     np.testing.assert_allclose(lam7.numpy(), lam1.numpy(), rtol=1e-10)
     # the same span: every principal angle between the two row spaces is zero
     np.testing.assert_allclose(torch.linalg.svdvals(V7 @ V1.T).numpy(), 1.0, atol=1e-8)
@@ -555,3 +556,91 @@ def test_predictive_kl_classification_is_blockwise_probit():
     assert predictive_kl(m, joint, m, Sq, likelihood="classification") == pytest.approx(got)
     assert predictive_kl(m, Sp, m, Sq, likelihood="classification",
                          reduction="mean") == pytest.approx(got / 4)
+
+
+def _lowrank_problem(clf_data, clf_net, n=60):
+    lin = LinearizedNet(copy.deepcopy(clf_net.module_).double(),
+                        example_input=torch.as_tensor(clf_data.X[:4], dtype=torch.float64))
+    X = torch.as_tensor(clf_data.X[:n], dtype=torch.float64)
+    d = torch.linspace(0.5, 2.0, lin.n_params, dtype=torch.float64)[:, None]
+    return lin, X, (lambda T: d * T)  # a diagonal Psi (not a multiple of I)
+
+
+@pytest.mark.parametrize("row_space", [False, True])
+def test_randomized_lowrank_directions_match_the_dense_eigendecomposition(row_space, clf_data,
+                                                                           clf_net):
+    """The randomized range finder (never forming ``M``) against the full
+    eigendecomposition of ``M`` on 60 points x 3 outputs (180 rows, s = 6, then a
+    fourfold eigenvalue gap): Ritz values never exceed the eigenvalues (Cauchy
+    interlacing) and agree with them to the range finder's stopping tolerance
+    ``RANGE_RTOL``, and the span is the same (the power iterations converge at the rate
+    of that gap). The run is deterministic given the generator and does not depend on
+    the chunking."""
+    from sklearn_lla._posteriors.subspace import RANGE_RTOL, lowrank_directions
+
+    lin, X, psi = _lowrank_problem(clf_data, clf_net)
+    _, ld = lowrank_directions(lin, X, 3, psi, 7, row_space=row_space, method="dense")
+    assert ld[6] < 0.5 * ld[5]  # the gap that makes the top-6 span well defined
+    Vd, ld = lowrank_directions(lin, X, 3, psi, 6, row_space=row_space, method="dense")
+    runs = [lowrank_directions(lin, X, 3, psi, 6, batch_size=b, row_space=row_space,
+                               method="randomized", generator=torch.Generator().manual_seed(0))
+            for b in (1000, 7)]
+    (Vr, lr), (V7, l7) = runs
+    assert (lr <= ld * (1 + 1e-12)).all()
+    np.testing.assert_allclose(lr.numpy(), ld.numpy(), rtol=RANGE_RTOL)
+    np.testing.assert_allclose(torch.linalg.svdvals(Vd @ Vr.T).numpy(), 1.0, atol=1e-6)
+    np.testing.assert_allclose(l7.numpy(), lr.numpy(), rtol=1e-10)
+    np.testing.assert_allclose(torch.linalg.svdvals(V7 @ Vr.T).numpy(), 1.0, atol=1e-8)
+
+
+def test_randomized_lowrank_directions_warn_when_the_range_does_not_settle(clf_data, clf_net,
+                                                                          monkeypatch):
+    import sklearn_lla._posteriors.subspace as sub
+
+    lin, X, psi = _lowrank_problem(clf_data, clf_net)
+    monkeypatch.setattr(sub, "RANGE_MAX_ITERATIONS", 0)
+    monkeypatch.setattr(sub, "RANGE_RTOL", 0.0)
+    with pytest.warns(RuntimeWarning, match="did not converge in 0 power iterations"):
+        V, lam = sub.lowrank_directions(lin, X, 3, psi, 6, method="randomized",
+                                        generator=torch.Generator().manual_seed(0))
+    assert V.shape == (6, lin.n_params) and torch.isfinite(lam).all()
+    with pytest.raises(ValueError, match="method must be"):
+        sub.lowrank_directions(lin, X, 3, psi, 6, method="lanczos")
+
+
+def test_estimator_with_the_randomized_projector_predicts_as_the_dense_one(clf_data, clf_net,
+                                                                            monkeypatch):
+    """``method="auto"`` takes the randomized range finder when ``s + 10`` is at most a
+    quarter of the subset's rows (here s = 2 on 60 points x 3 classes; the KFAC
+    ``M``'s eigenvalues drop fourfold after the second); forcing the dense path gives
+    the same latent predictive, off the data included: to 2e-3 at the default stopping
+    tolerance (the power iterations stop once the top Ritz values grow by less than
+    ``RANGE_RTOL`` = 5e-3), to 1e-6 when they run to convergence."""
+    import sklearn_lla._posteriors.subspace as sub
+
+    calls = []
+    orig = sub._randomized_directions
+    monkeypatch.setattr(sub, "_randomized_directions",
+                        lambda *a: calls.append(1) or orig(*a))
+    X, y = clf_data.X, clf_data.y
+    Xq = np.concatenate([clf_data.X_test, 3.0 * clf_data.X_test])
+    kw = dict(subspace_dim=2, n_subset=60, residual_correction=False)
+
+    def fit_predict():
+        est = _make("classification", clf_net, **kw).fit(X, y)
+        return latent_predictive(est, Xq)
+
+    (m_r, S_r), ran = fit_predict(), bool(calls)
+    assert ran, "the randomized path was not taken"
+    monkeypatch.setattr(sub, "RANGE_RTOL", 1e-12)
+    m_c, S_c = fit_predict()
+    dense = sub.lowrank_directions
+    monkeypatch.setattr(sub, "lowrank_directions",
+                        lambda *a, **k: dense(*a, **{**k, "method": "dense"}))
+    calls.clear()
+    m_d, S_d = fit_predict()
+    assert not calls
+    atol = 1e-9 * np.abs(S_d).max()
+    np.testing.assert_allclose(m_r, m_d, rtol=1e-10)
+    np.testing.assert_allclose(S_c, S_d, rtol=1e-6, atol=atol)
+    np.testing.assert_allclose(S_r, S_d, rtol=2e-3, atol=atol)

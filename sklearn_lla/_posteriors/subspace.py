@@ -89,6 +89,17 @@ AUTO_MIN_DIM = 20
 AUTO_RTOL = 1e-6
 
 
+#: Extra columns of the randomized range finder of :func:`lowrank_directions`.
+RANGE_OVERSAMPLING = 10
+
+#: The range finder's power iterations (each one JVP and one VJP pass over the subset)
+#: stop when the sum of the top Ritz values grows by at most this fraction ...
+RANGE_RTOL = 5e-3
+
+#: ... or after this many of them (with a warning).
+RANGE_MAX_ITERATIONS = 12
+
+
 def auto_dim_cap(n_params):
     """The most directions ``subspace_dim="auto"`` keeps for ``n_params`` parameters."""
     return max(AUTO_MIN_DIM, AUTO_COST_BUDGET // max(1, int(n_params)))
@@ -96,9 +107,14 @@ def auto_dim_cap(n_params):
 
 def _top_eigvecs(M, s, cap=None):
     lam, U = safe_eigh(0.5 * (M + M.T), "projected covariance J Psi J^T")
-    lam, U = lam.flip(0), U.flip(1)
+    return _select_top(lam.flip(0), U.flip(1), s, cap, M.shape[0])
+
+
+def _select_top(lam, U, s, cap, n_rows):
+    """The leading ``s`` of the descending eigenpairs ``(lam, U)`` of an ``n_rows``
+    square ``M`` (``"auto"``: the rule of :func:`lowrank_directions`)."""
     top = max(float(lam[0]), 0.0)
-    tol = top * len(lam) * torch.finfo(torch.float64).eps * 10
+    tol = top * n_rows * torch.finfo(torch.float64).eps * 10
     positive = int((lam > tol).sum())
     if positive == 0:
         raise ValueError("J Psi J^T is zero on the subset: the network's Jacobian vanishes")
@@ -106,13 +122,14 @@ def _top_eigvecs(M, s, cap=None):
         s = min(int((lam > max(tol, AUTO_RTOL * top)).sum()), cap or positive)
     elif positive < s:
         warnings.warn(f"J Psi J^T has only {positive} numerically positive eigenvalues on the "
-                      f"{M.shape[0]} rows of the subset; using subspace_dim={positive} instead "
-                      f"of {s}", RuntimeWarning, stacklevel=4)
+                      f"{n_rows} rows of the subset; using subspace_dim={positive} instead "
+                      f"of {s}", RuntimeWarning, stacklevel=5)
         s = positive
     return lam[:s], U[:, :s]
 
 
-def lowrank_directions(lin, X, n_outputs, psi, s, batch_size=256, row_space=False):
+def lowrank_directions(lin, X, n_outputs, psi, s, batch_size=256, row_space=False,
+                       method="auto", generator=None):
     """Algorithm 1: orthonormal rows spanning ``Psi J_X^T U_s`` (or ``J_X^T U_s``).
 
     Parameters
@@ -137,6 +154,19 @@ def lowrank_directions(lin, X, n_outputs, psi, s, batch_size=256, row_space=Fals
         ``Psi J^T = s0^2 J^T (I + s0^2 Lam J J^T)^-1``, whose eigenvectors are those of
         ``M`` for a Gaussian likelihood), and always inside the span of the
         Jacobian rows, which the prior residual of the predictive needs.
+    method : {"auto", "dense", "randomized"}, default="auto"
+        ``"dense"``: assemble the ``n C x n C`` matrix ``M`` from Jacobian chunks and
+        take its full eigendecomposition (``Psi`` applied to all ``n C`` Jacobian
+        rows). ``"randomized"``: only its top eigenpairs, by a randomized range finder
+        with power iterations (until the top Ritz values settle) and a Rayleigh-Ritz step
+        (Halko, Martinsson & Tropp, 2011, Algorithms 4.4 and 5.3) on ``k + o``
+        columns (``k`` = ``s`` or, for ``"auto"``, :func:`auto_dim_cap`; ``o`` =
+        :data:`RANGE_OVERSAMPLING`); ``M`` is never formed: each product ``M Q =
+        J (Psi (J^T Q))`` is one batched VJP and one batched JVP pass over ``X``
+        and ``Psi`` on ``k + o`` columns. ``"auto"``: randomized when ``k + o`` is at
+        most a quarter of ``n C``.
+    generator : torch.Generator or None, default=None
+        Draws the randomized method's test matrix (the global generator if None).
 
     Returns
     -------
@@ -146,6 +176,13 @@ def lowrank_directions(lin, X, n_outputs, psi, s, batch_size=256, row_space=Fals
         The top eigenvalues of ``M = J_X Psi J_X^T``.
     """
     C, p, n = n_outputs, lin.n_params, X.shape[0]
+    if method not in ("auto", "dense", "randomized"):
+        raise ValueError(f"method must be 'auto', 'dense' or 'randomized', got {method!r}")
+    k = auto_dim_cap(p) if s == "auto" else int(s)
+    width = min(k + RANGE_OVERSAMPLING, n * C)
+    if method == "randomized" or (method == "auto" and 4 * width <= n * C):
+        return _randomized_directions(lin, X, C, psi, s, width, batch_size, row_space,
+                                      generator)
     step = _chunk(lin, C, batch_size)
     chunks = [slice(i, min(i + step, n)) for i in range(0, n, step)]
     M = torch.empty((n * C, n * C), dtype=torch.float64, device=lin.device)
@@ -171,6 +208,51 @@ def lowrank_directions(lin, X, n_outputs, psi, s, batch_size=256, row_space=Fals
         Pm += (Jt if row_space else psi(Jt)) @ U[si.start * C:si.stop * C]
     Q, _ = torch.linalg.qr(Pm)
     return Q.T.contiguous(), lam
+
+
+def _randomized_directions(lin, X, C, psi, s, width, batch_size, row_space, generator):
+    """:func:`lowrank_directions` by a randomized range finder (see its ``method``)."""
+    p, n = lin.n_params, X.shape[0]
+    step = max(1, min(batch_size, lin.chunk_size(C)))
+    chunks = [slice(i, min(i + step, n)) for i in range(0, n, step)]
+
+    def jt(Q):  # J^T Q, (p, w): one batched VJP pass
+        out = torch.zeros((p, Q.shape[1]), dtype=torch.float64, device=lin.device)
+        for sl in chunks:
+            cot = Q[sl.start * C:sl.stop * C].T.reshape(Q.shape[1], -1, C)
+            g = lin.vjp(X[sl], cot)
+            out += torch.cat([g[name].reshape(Q.shape[1], -1) for name in lin.names], 1).T
+        return out
+
+    def j(T):  # J T, (n C, w): one batched JVP pass
+        return torch.cat([lin.jvp(X[sl], T.T)[1].reshape(-1, T.shape[1])
+                          for sl in chunks]).double()
+
+    k = width - min(RANGE_OVERSAMPLING, width)
+    omega = torch.randn((n * C, width), dtype=torch.float64, generator=generator)
+    Q, _ = torch.linalg.qr(omega.to(lin.device))
+    previous = None
+    for it in range(RANGE_MAX_ITERATIONS + 1):
+        A = jt(Q)
+        PA = psi(A)
+        B = A.T @ PA  # Q^T M Q: the Rayleigh-Ritz matrix, without another pass
+        lam, W = safe_eigh(0.5 * (B + B.T), "projected covariance Q^T J Psi J^T Q")
+        lam, W = lam.flip(0), W.flip(1)
+        captured = float(lam[:max(k, 1)].clamp_min(0).sum())
+        if previous is not None and captured <= previous * (1 + RANGE_RTOL):
+            break
+        if it == RANGE_MAX_ITERATIONS:
+            warnings.warn(f"the randomized range finder of the low-rank projector did not "
+                          f"converge in {RANGE_MAX_ITERATIONS} power iterations (the top "
+                          f"eigenvalues of J Psi J^T still grew by more than {RANGE_RTOL:g}); "
+                          "its subspace is the best found", RuntimeWarning, stacklevel=4)
+            break
+        previous = captured
+        Q, _ = torch.linalg.qr(j(PA))  # the range of M Q
+    lam, W = _select_top(lam, W, s, auto_dim_cap(p), n * C)
+    Pm = (A if row_space else PA) @ W  # J^T U_s or Psi J^T U_s, U_s = Q W
+    V, _ = torch.linalg.qr(Pm)
+    return V.T.contiguous(), lam
 
 
 def subset_directions(scores, s):
@@ -325,7 +407,8 @@ class SubspacePosterior(GLMPosterior):
                     return Sigma @ T
             Xs = self._subset_inputs(data)
             V, lam = lowrank_directions(lin64, Xs, data.n_outputs, psi, s, data.batch_size,
-                                        row_space=bool(self.residual_correction))
+                                        row_space=bool(self.residual_correction),
+                                        generator=data.generator)
             self.projector_eigvals = lam
             return V
         if name == "subset-magnitude":
