@@ -569,13 +569,12 @@ def _lowrank_problem(clf_data, clf_net, n=60):
 @pytest.mark.parametrize("row_space", [False, True])
 def test_randomized_lowrank_directions_match_the_dense_eigendecomposition(row_space, clf_data,
                                                                            clf_net):
-    """The randomized range finder (never forming ``M``) against the full
+    """Randomized block Krylov (never forming ``M``) against the full
     eigendecomposition of ``M`` on 60 points x 3 outputs (180 rows, s = 6, then a
     fourfold eigenvalue gap): Ritz values never exceed the eigenvalues (Cauchy
-    interlacing) and agree with them to the range finder's stopping tolerance
-    ``RANGE_RTOL``, and the span is the same (the power iterations converge at the rate
-    of that gap). The run is deterministic given the generator and does not depend on
-    the chunking."""
+    interlacing) and agree with them to the stopping tolerance ``RANGE_RTOL``, and the
+    span is the same (the Krylov steps converge at the rate of that gap). The run is
+    deterministic given the generator and does not depend on the chunking."""
     from sklearn_lla._posteriors.subspace import RANGE_RTOL, lowrank_directions
 
     lin, X, psi = _lowrank_problem(clf_data, clf_net)
@@ -600,7 +599,7 @@ def test_randomized_lowrank_directions_warn_when_the_range_does_not_settle(clf_d
     lin, X, psi = _lowrank_problem(clf_data, clf_net)
     monkeypatch.setattr(sub, "RANGE_MAX_ITERATIONS", 0)
     monkeypatch.setattr(sub, "RANGE_RTOL", 0.0)
-    with pytest.warns(RuntimeWarning, match="did not converge in 0 power iterations"):
+    with pytest.warns(RuntimeWarning, match="did not converge in 0 block Krylov steps"):
         V, lam = sub.lowrank_directions(lin, X, 3, psi, 6, method="randomized",
                                         generator=torch.Generator().manual_seed(0))
     assert V.shape == (6, lin.n_params) and torch.isfinite(lam).all()
@@ -610,11 +609,11 @@ def test_randomized_lowrank_directions_warn_when_the_range_does_not_settle(clf_d
 
 def test_estimator_with_the_randomized_projector_predicts_as_the_dense_one(clf_data, clf_net,
                                                                             monkeypatch):
-    """``method="auto"`` takes the randomized range finder when ``s + 10`` is at most a
+    """``method="auto"`` takes randomized block Krylov when ``s + 10`` is at most a
     quarter of the subset's rows (here s = 2 on 60 points x 3 classes; the KFAC
     ``M``'s eigenvalues drop fourfold after the second); forcing the dense path gives
     the same latent predictive, off the data included: to 2e-3 at the default stopping
-    tolerance (the power iterations stop once the top Ritz values grow by less than
+    tolerance (the Krylov steps stop once the top Ritz values grow by less than
     ``RANGE_RTOL`` = 5e-3), to 1e-6 when they run to convergence."""
     import sklearn_lla._posteriors.subspace as sub
 
