@@ -329,11 +329,7 @@ def test_lowrank_directions_do_not_depend_on_the_chunking(row_space, clf_data, c
     last chunk, C = 3 outputs) give the same eigenvalues and the same span."""
     from sklearn_lla._posteriors.subspace import lowrank_directions
 
-    lin = LinearizedNet(copy.deepcopy(clf_net.module_).double(),
-                        example_input=torch.as_tensor(clf_data.X[:4], dtype=torch.float64))
-    X = torch.as_tensor(clf_data.X[:30], dtype=torch.float64)
-    d = torch.linspace(0.5, 2.0, lin.n_params, dtype=torch.float64)[:, None]
-    psi = lambda T: d * T  # noqa: E731 - a diagonal Psi (not a multiple of I)
+    lin, X, psi = _lowrank_problem(clf_data, clf_net, n=30)
     kw = dict(row_space=row_space, method="dense")
     V1, lam1 = lowrank_directions(lin, X, 3, psi, 12, batch_size=1000, **kw)
     V7, lam7 = lowrank_directions(lin, X, 3, psi, 12, batch_size=7, **kw)

@@ -42,7 +42,7 @@ from .structured.chain import StructuredChain
 from .structured.jacobian import StructuredJacobian
 from .structured.trace import share_copy
 
-__all__ = ["LinearizedNet"]
+__all__ = ["LinearizedNet", "stack_flat"]
 
 #: Default memory budget (in tensor elements) of one chunk of Jacobian rows.
 JACOBIAN_CHUNK_ELEMENTS = 2**25
@@ -59,6 +59,32 @@ _F64 = torch.float64
 def _as_input(x, device, dtype) -> Tensor:
     x = torch.as_tensor(x, device=device)
     return x.to(dtype) if x.is_floating_point() else x
+
+
+def stack_flat(tensors: dict, names) -> Tensor:
+    """Join per-parameter tensors into flat vectors (the inverse of
+    :meth:`LinearizedNet.unflatten`).
+
+    Parameters
+    ----------
+    tensors : dict of str to Tensor of shape (K, *param_shape)
+        One entry per name (e.g. what :meth:`LinearizedNet.vjp` returns).
+    names : sequence of str
+        The order of the parameters (:attr:`LinearizedNet.names`).
+
+    Returns
+    -------
+    Tensor of shape (K, P)
+
+    Examples
+    --------
+    >>> import torch
+    >>> from sklearn_lla._network.linearized import stack_flat
+    >>> stack_flat({"w": torch.ones(2, 2, 3), "b": torch.zeros(2, 2)}, ["w", "b"]).shape
+    torch.Size([2, 8])
+    """
+    K = tensors[names[0]].shape[0]
+    return torch.cat([tensors[n].reshape(K, -1) for n in names], dim=1)
 
 
 class LinearizedNet:

@@ -45,6 +45,7 @@ from .._core.protocol import (
     check_finite_outputs,
     validation_residuals,
 )
+from .._network.linearized import stack_flat
 
 __all__ = ["Features", "JacobianFeatures", "ProjectionFeatures", "GLMPosterior"]
 
@@ -129,9 +130,7 @@ class ProjectionFeatures(Features):
         """Record the network and the prior Gram ``V^T V`` (float64)."""
         self.lin = lin
         V = self.V
-        flat = (torch.cat([V[n].reshape(V[n].shape[0], -1) for n in lin.names], 1)
-                if isinstance(V, dict) else V)
-        flat = flat.double()
+        flat = (stack_flat(V, lin.names) if isinstance(V, dict) else V).double()
         self.dim = int(flat.shape[0])
         self.prior_gram = flat @ flat.T
         self._tangents = lin.unflatten(flat.to(lin.dtype))

@@ -70,6 +70,7 @@ from .._core.hyper import EM, Fixed, HyperResult, ValidationGrid, WeightNorm, re
 from .._core.likelihoods import mc_seed, uses_mc_link
 from .._core.optim import minibatches, minimize
 from .._core.protocol import LatentPredictive, Posterior, validation_residuals
+from .._network.linearized import stack_flat
 
 __all__ = ["SampledLLAPosterior", "PRIOR_GRID", "NOISE_GRID", "G_PRIOR_FLOOR", "CG_MAX_BATCHES",
            "AUTO_ITERATIONS", "EM_START_SAMPLES", "EM_GAMMA_RSE"]
@@ -116,10 +117,6 @@ _SCAN_PATIENCE = 2
 _SCAN_TOL = 1e-3
 
 
-def _flat(grads: dict, names, K) -> torch.Tensor:
-    return torch.cat([grads[n].reshape(K, -1) for n in names], dim=1)
-
-
 class _HandGradient(torch.autograd.Function):
     """``value``, with the gradient ``grad`` w.r.t. ``V`` (assembled by hand).
 
@@ -163,14 +160,13 @@ def _ggn_product_sums(payload, batches):
     with ``M`` tangents and one VJP with ``M`` cotangents per batch.
     """
     lin, lik, T = payload
-    M = T.shape[0]
     out = torch.zeros(T.shape, dtype=_F64, device=T.device)
     for x, _ in batches:
         g, jt = lin.jvp(x, T)
         A = lik.lam_factor(g.to(_F64))
         ajt = torch.einsum("bcd,bck->bdk", A, jt.to(_F64))
         cot = torch.einsum("bcd,bdk->kbc", A, ajt)
-        out += _flat(lin.vjp(x, cot), lin.names, M).to(_F64)
+        out += stack_flat(lin.vjp(x, cot), lin.names).to(_F64)
     return (out,)
 
 
@@ -331,7 +327,7 @@ class SampledLLAPosterior(Posterior):
             if self._with_mode:
                 m = torch.einsum("bcd,bd->bc", A, torch.einsum("bcd,bc->bd", A, jt))
                 cot = torch.cat([cot, (m + lik.grad(g, y))[None]])
-            S += _flat(lin.vjp(x, cot), lin.names, M).to(_F64)
+            S += stack_flat(lin.vjp(x, cot), lin.names).to(_F64)
         return (S[:K], S[K]) if self._with_mode else (S, None)
 
     def _statistics(self, data, lik, delta, Z):
@@ -519,7 +515,7 @@ class SampledLLAPosterior(Posterior):
                     value = value + scale * (0.5 * ajz[..., 0].pow(2).sum()
                                              - (jt[..., 0] * gl).sum()) + 0.5 * r0.pow(2).sum()
                     cot[0] -= gl
-                grad = _flat(lin.vjp(x, cot), lin.names, M).to(_F64).mul_(scale * sigma)
+                grad = stack_flat(lin.vjp(x, cot), lin.names).to(_F64).mul_(scale * sigma)
                 grad[m:] += r
                 if m:
                     grad[0] += r0

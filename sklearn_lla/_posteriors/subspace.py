@@ -52,6 +52,7 @@ from .._network.curvature import (
     ggn_diagonal,
     swag_variances,
 )
+from .._network.linearized import stack_flat
 from .glm import GLMPosterior, ProjectionFeatures
 
 __all__ = ["SubspacePosterior", "PROJECTORS", "MAX_OPTIMAL_PARAMS", "lowrank_directions",
@@ -183,13 +184,11 @@ def lowrank_directions(lin, X, n_outputs, psi, s, batch_size=256, row_space=Fals
     C, p, n = n_outputs, lin.n_params, X.shape[0]
     if method not in ("auto", "dense", "randomized"):
         raise ValueError(f"method must be 'auto', 'dense' or 'randomized', got {method!r}")
-    k = auto_dim_cap(p) if s == "auto" else int(s)
-    width = min(k + RANGE_OVERSAMPLING, n * C)
-    if method == "randomized" or (method == "auto" and 4 * width <= n * C):
-        return _randomized_directions(lin, X, C, psi, s, width, batch_size, row_space,
-                                      generator)
     step = _chunk(lin, C, batch_size)
     chunks = [slice(i, min(i + step, n)) for i in range(0, n, step)]
+    k = auto_dim_cap(p) if s == "auto" else int(s)
+    if method == "randomized" or (method == "auto" and 4 * (k + RANGE_OVERSAMPLING) <= n * C):
+        return _randomized_directions(lin, X, C, psi, s, k, chunks, row_space, generator)
     M = torch.empty((n * C, n * C), dtype=torch.float64, device=lin.device)
 
     def jac(sl):
@@ -215,24 +214,23 @@ def lowrank_directions(lin, X, n_outputs, psi, s, batch_size=256, row_space=Fals
     return Q.T.contiguous(), lam
 
 
-def _randomized_directions(lin, X, C, psi, s, width, batch_size, row_space, generator):
-    """:func:`lowrank_directions` by randomized block Krylov (see its ``method``)."""
+def _randomized_directions(lin, X, C, psi, s, k, chunks, row_space, generator):
+    """:func:`lowrank_directions` by randomized block Krylov (see its ``method``): the top
+    eigenpairs of ``M`` from blocks of ``k + o`` columns (at most ``n C``)."""
     p, n = lin.n_params, X.shape[0]
-    step = max(1, min(batch_size, lin.chunk_size(C)))
-    chunks = [slice(i, min(i + step, n)) for i in range(0, n, step)]
 
     def jt(Q):  # J^T Q, (p, w): one batched VJP pass
         out = torch.zeros((p, Q.shape[1]), dtype=torch.float64, device=lin.device)
         for sl in chunks:
             cot = Q[sl.start * C:sl.stop * C].T.reshape(Q.shape[1], -1, C)
-            g = lin.vjp(X[sl], cot)
-            out += torch.cat([g[name].reshape(Q.shape[1], -1) for name in lin.names], 1).T
+            out += stack_flat(lin.vjp(X[sl], cot), lin.names).T
         return out
 
     def j(T):  # J T, (n C, w): one batched JVP pass
         return torch.cat([lin.jvp(X[sl], T.T)[1].reshape(-1, T.shape[1])
                           for sl in chunks]).double()
 
+    width = min(k + RANGE_OVERSAMPLING, n * C)
     k = max(width - min(RANGE_OVERSAMPLING, width), 1)
     omega = torch.randn((n * C, width), dtype=torch.float64, generator=generator)
     Q, _ = torch.linalg.qr(omega.to(lin.device))
@@ -251,10 +249,9 @@ def _randomized_directions(lin, X, C, psi, s, width, batch_size, row_space, gene
         lam, W = safe_eigh(0.5 * (B + B.T), "projected covariance K^T J Psi J^T K")
         lam, W = lam.flip(0), W.flip(1)
         captured = float(lam[:k].clamp_min(0).sum())
-        Kb = torch.cat(K, 1)
         if previous is not None and captured <= previous * (1 + RANGE_RTOL):
             break
-        if Kb.shape[1] + width > n * C:  # the Krylov space would fill the row space
+        if B.shape[0] + width > n * C:  # the Krylov space would fill the row space
             break
         if it == RANGE_MAX_ITERATIONS:
             warnings.warn(f"the randomized block Krylov method of the low-rank projector did not "
@@ -264,6 +261,7 @@ def _randomized_directions(lin, X, C, psi, s, width, batch_size, row_space, gene
             break
         previous = captured
         Y = j(PA)  # M Q, then orthogonalised against the whole Krylov basis (twice)
+        Kb = torch.cat(K, 1)
         norm = float(torch.linalg.norm(Y))
         for _ in range(2):
             Y -= Kb @ (Kb.T @ Y)
