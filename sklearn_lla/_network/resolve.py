@@ -524,11 +524,11 @@ def skorch_validation_rows(net, X, y, task, module_dtype):
 def last_layer_param_names(module: nn.Module, example_input) -> list[str]:
     """Find the parameters of the last leaf module with trainable parameters.
 
-    One forward pass on ``example_input`` (in eval mode, under ``torch.no_grad``, on a
-    copy of the module's objects that shares its tensors: ``module`` itself is not
-    touched) records the order in which leaf modules (modules without children)
-    execute; the last one that holds parameters with ``requires_grad=True`` is the
-    network's last layer.
+    One forward pass on ``example_input`` (moved to the module's device and dtype; in
+    eval mode, under ``torch.no_grad``, on a copy of the module's objects that shares
+    its tensors: ``module`` itself is not touched) records the order in which leaf
+    modules (modules without children) execute; the last one that holds parameters
+    with ``requires_grad=True`` is the network's last layer.
 
     Parameters
     ----------
@@ -559,10 +559,12 @@ def last_layer_param_names(module: nn.Module, example_input) -> list[str]:
     """
     mod = share_copy(module).eval()
     canonical = {id(p): n for n, p in mod.named_parameters()}
-    dtype = next((p.dtype for p in mod.parameters() if p.is_floating_point()), None)
+    first = next((p for p in mod.parameters() if p.is_floating_point()), None)
     x = torch.as_tensor(example_input)
-    if dtype is not None and x.is_floating_point():
-        x = x.to(dtype)
+    if first is not None:
+        # the user's module stays where it is (the estimator's device copy comes later):
+        # the example goes to the module's device, e.g. a CPU net fitted with device="cuda"
+        x = x.to(first.device, first.dtype if x.is_floating_point() else None)
     order: list[nn.Module] = []
     handles = [
         m.register_forward_hook(lambda m_, i, o: order.append(m_))
