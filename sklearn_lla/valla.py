@@ -45,7 +45,7 @@ class _VaLLAMixin:
         "max_iter": [Interval(Integral, 1, None, closed="left")],
         "early_stopping": ["boolean"],
         "stopping": [StrOptions({"objective", "auto"})],
-        "validation_freq": [Interval(Integral, 1, None, closed="left")],
+        "validation_freq": [Interval(Integral, 1, None, closed="left"), StrOptions({"auto"})],
         "n_iter_no_change": [Interval(Integral, 1, None, closed="left")],
         "tol": [Interval(Real, 0, None, closed="left")],
         "learn_inducing": ["boolean"],
@@ -145,8 +145,10 @@ class VaLLARegressor(_VaLLAMixin, LaplaceRegressorMixin):
         rows are then used only to calibrate the predictive after the fit.
         ``"auto"``: the held-out NLL when there are held-out rows (the papers'
         early stopping), else the objective.
-    validation_freq : int, default=50
-        Steps between checks.
+    validation_freq : int or "auto", default="auto"
+        Steps between checks. ``"auto"``: 20 when the checks score the objective on
+        the fixed monitor rows or held-out NLL (exact scores, no minibatch noise),
+        50 when they average the minibatch loss.
     n_iter_no_change : int, default=3
         Checks without improvement before stopping.
     tol : float, default=1e-3
@@ -248,7 +250,7 @@ class VaLLARegressor(_VaLLAMixin, LaplaceRegressorMixin):
     def __init__(self, net=None, *, n_inducing="auto", covariance="subspace", init="optimal",
                  prior_variance="auto", noise_variance="auto", alpha=0.0, learning_rate=1e-3,
                  max_iter=10000, batch_size=100, early_stopping=True, stopping="objective",
-                 validation_freq=50, n_iter_no_change=3, tol=1e-3, validation_fraction=0.1,
+                 validation_freq="auto", n_iter_no_change=3, tol=1e-3, validation_fraction=0.1,
                  learn_inducing=False, energy_link="probit", trainable_only=True,
                  device="auto", random_state=None, verbose=0):
         self.net = net
@@ -338,8 +340,10 @@ class VaLLAClassifier(_VaLLAMixin, LaplaceClassifierMixin):
         rows are then used only to calibrate the predictive after the fit.
         ``"auto"``: the held-out NLL when there are held-out rows (the papers'
         early stopping), else the objective.
-    validation_freq : int, default=50
-        Steps between checks.
+    validation_freq : int or "auto", default="auto"
+        Steps between checks. ``"auto"``: 20 when the checks score the objective on
+        the fixed monitor rows or held-out NLL (exact scores, no minibatch noise),
+        50 when they average the minibatch loss.
     n_iter_no_change : int, default=3
         Checks without improvement before stopping.
     tol : float, default=1e-3
@@ -446,7 +450,7 @@ class VaLLAClassifier(_VaLLAMixin, LaplaceClassifierMixin):
     def __init__(self, net=None, *, n_inducing=100, covariance="full", init="optimal",
                  prior_variance="auto", alpha=1.0, learning_rate=1e-3, max_iter=10000,
                  batch_size=100, early_stopping=True, stopping="objective",
-                 validation_freq=50, n_iter_no_change=3, tol=1e-3, validation_fraction=0.1,
+                 validation_freq="auto", n_iter_no_change=3, tol=1e-3, validation_fraction=0.1,
                  learn_inducing=False, energy_link="probit", link_approx="probit",
                  n_samples_predict=512, classes=None, trainable_only=True, device="auto",
                  random_state=None, verbose=0):

@@ -532,3 +532,51 @@ def test_classifier_sanity(clf_data, clf_net):
     far = est.posterior_.predict(torch.as_tensor(6.0 * X, dtype=lin.dtype)).var.mean()
     assert float(far) > 2 * float(near)
     assert 0 < est.n_iter_ <= 300 and est.kl_ >= 0
+
+
+@pytest.mark.parametrize("learn_prior", [True, False])
+def test_monitor_scores_the_start_on_rows_it_did_not_fit(reg_data, reg_net, monkeypatch,
+                                                          learn_prior):
+    """With more rows than the start uses, the monitor's score at step 0 is the
+    objective of the start's state on other training rows: the expected log-likelihood
+    of the fitted predictive there plus KL / N (a regression: the monitor's kernel
+    matrices were once built after the start had moved the prior variance, off by
+    their ratio: a score 5 x the objective on a Year-shaped problem)."""
+    from sklearn_lla._posteriors import valla as valla_module
+
+    X, y = reg_data.X, reg_data.y
+    N, n = len(X), 20
+    monkeypatch.setattr(valla_module, "START_ROWS", n)
+    kw = {} if learn_prior else {"prior_variance": 0.3}
+    # the bare module: every row is a training row (a skorch net's own split is not)
+    est = VaLLARegressor(reg_net.module_, n_inducing=10, max_iter=1, learning_rate=1e-14,
+                         device="cpu", random_state=0, **kw).fit(X, y)
+    step, score = est.stopping_scores_[0]
+    assert step == 0 and est.hyper_trace_["start"]["monitor_rows"] == n
+    seed = est.posterior_.random_state  # the posterior's seed, derived from random_state
+    mon = np.sort(np.random.default_rng(seed + 1).permutation(N)[n:2 * n])
+    s2 = est.likelihood_.noise_variance
+    mu, sd = est.predict(X[mon], return_std=True)
+    ell = -0.5 * (np.log(2 * np.pi * s2) + ((y[mon] - mu) ** 2 + sd ** 2 - s2) / s2)
+    assert score == pytest.approx(-ell.mean() + est.hyper_trace_["kl"] / N, rel=1e-9)
+
+
+def test_fixed_z_factor_reuse_matches_refactorising(reg_data, reg_net, monkeypatch):
+    """With ``Z`` fixed, ``chol(Kzz)`` is ``s0 chol(K1)`` taken once per fit and the
+    subspace mean term a constant over ``s0^2``: the same fit as one that factorises
+    ``Kzz`` at every step (40 Adam steps, ``s0^2`` and ``s2`` learned), to round-off."""
+    from sklearn_lla._posteriors.gp import FixedMeanGPPosterior
+
+    X, y = reg_data.X, reg_data.y
+    kw = dict(n_inducing=10, max_iter=40, early_stopping=False, learning_rate=1e-2,
+              device="cpu", random_state=0)
+    a = VaLLARegressor(reg_net.module_, **kw).fit(X, y)
+    monkeypatch.setattr(VaLLAPosterior, "subspace_cholesky",
+                        FixedMeanGPPosterior.subspace_cholesky)
+    b = VaLLARegressor(reg_net.module_, **kw).fit(X, y)
+    assert a.prior_variance_ != pytest.approx(b.posterior_.initial_prior_variance, rel=1e-3)
+    assert a.prior_variance_ == pytest.approx(b.prior_variance_, rel=1e-10)
+    assert a.hyper_trace_["kl"] == pytest.approx(b.hyper_trace_["kl"], rel=1e-10)
+    for u, v in zip(a.predict(reg_data.X_test, return_std=True),
+                    b.predict(reg_data.X_test, return_std=True)):
+        np.testing.assert_allclose(u, v, rtol=1e-10)

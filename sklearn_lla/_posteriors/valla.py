@@ -329,10 +329,37 @@ class VaLLAPosterior(FixedMeanGPPosterior):
         """
         if self.covariance == "full":
             return 0.5 * self.theta_sq * torch.exp(-kernel.log_prior_variance)
+        chol1 = self.__dict__.get("_chol1")
+        if not Z.requires_grad and chol1 is not None:  # fixed Z: v and K1 are constants
+            if self.__dict__.get("_mean_kl1") is None:
+                with torch.no_grad():
+                    w = torch.linalg.solve_triangular(chol1, kernel.mean_offset(Z, cz)[:, None],
+                                                      upper=False)
+                    self._mean_kl1 = 0.5 * (w * w).sum()
+            return self._mean_kl1 / kernel._s0()
         v = kernel.mean_offset(Z, cz)  # (M,)
         chol = cholesky(Kzz, "inducing kernel matrix", warn=False)
         w = torch.linalg.solve_triangular(chol, v[:, None], upper=False)
         return 0.5 * (w * w).sum()
+
+    def subspace_cholesky(self, kernel, Z, Kzz):
+        """``chol(Kzz)``; with ``Z`` fixed, one factorisation per fit.
+
+        The NTK kernel is its prior variance times a fixed matrix, and so is the
+        jittered ``Kzz`` (the jitter is relative to its mean diagonal): ``Kzz = s0^2
+        K1``, ``chol(Kzz) = s0 chol(K1)``. ``K1``'s factor is taken at the first step
+        and scaled at every later one (a step then differentiates one scalar product
+        instead of a Cholesky factorisation; with the mean term, 7 of 36 ms per step
+        at ``M = 300``).
+        """
+        if Z.requires_grad:
+            return super().subspace_cholesky(kernel, Z, Kzz)
+        s0 = kernel._s0()
+        chol1 = self.__dict__.get("_chol1")
+        if chol1 is None:
+            chol1 = self._chol1 = cholesky((Kzz / s0).detach(), "inducing kernel matrix",
+                                           warn=False)
+        return torch.sqrt(s0) * chol1
 
     def extra_loss(self, *, x, y, n_total, kernel, Kzz, terms, Kxx, Kxz, noise):
         """The mean part of the KL (:meth:`_mean_kl`), per training row.
@@ -358,7 +385,7 @@ class VaLLAPosterior(FixedMeanGPPosterior):
         if self._weight_norm:
             self.hyper_strategy = "weight_norm"
             self.hyper_trace["prior_variance"] = np.array([self.prior_variance])
-        for name in ("_Z_fit", "_cz_fit"):
+        for name in ("_Z_fit", "_cz_fit", "_chol1", "_mean_kl1"):
             self.__dict__.pop(name, None)
         self.kernel.__dict__.pop("_z_cache", None)
         return self
@@ -389,6 +416,7 @@ class VaLLAPosterior(FixedMeanGPPosterior):
         from scipy.optimize import minimize as scipy_minimize
 
         self._Z_fit, self._cz_fit = Z, cz  # what extra_loss evaluates the mean term at
+        self._chol1 = self._mean_kl1 = None  # the fixed-Z factors of this fit
         if self.init == "identity":
             self.start_trace = {"init": "identity"}
             return
@@ -489,7 +517,10 @@ class VaLLAPosterior(FixedMeanGPPosterior):
         if not Z.requires_grad:  # Z stays: precompute the monitor's kernel matrices
             if idx_mon is not idx:
                 with torch.no_grad():
-                    Kxz, Kxx, mean, y = self._rows_matrices(data, kernel, Z, cz, idx_mon, s0)
+                    # in units of the kernel's prior variance now (the start has set it):
+                    # K(s0_new) / s0_new, as Kzz / s0 above was K(s0) / s0
+                    Kxz, Kxx, mean, y = self._rows_matrices(data, kernel, Z, cz, idx_mon,
+                                                            kernel.prior_variance)
                     prior1 = nystrom_blocks(Kxz, Lk) if subspace else Kxx
                 if eps is not None:
                     eps = torch.randn((self.n_energy_samples, len(idx_mon), C), generator=gen,
