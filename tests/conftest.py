@@ -166,6 +166,25 @@ def clf_net(clf_data):
 # ---------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def case(request, reg_data, reg_net, clf_data, clf_net):
+    """``(X, y, X_test, pretrained skorch net)`` matching the task of the test's
+    ``entry`` parameter (a :class:`sklearn_lla._registry.Entry`)."""
+    entry = request.getfixturevalue("entry")
+    if entry.is_classifier:
+        return clf_data.X, clf_data.y, clf_data.X_test, clf_net
+    return reg_data.X, reg_data.y, reg_data.X_test, reg_net
+
+
+def estimator_outputs(est, X):
+    """What a fitted estimator predicts: ``(mean, std)`` or ``(probabilities,)``."""
+    from sklearn.base import is_classifier
+
+    if is_classifier(est):
+        return (est.predict_proba(X),)
+    return est.predict(X, return_std=True)
+
+
 def dense_module(module):
     """A float64, eval-mode deep copy of ``module`` (the original is untouched)."""
     mod = copy.deepcopy(module).double().eval()

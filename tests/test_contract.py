@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from conftest import make_skorch_classifier, make_skorch_regressor
+from conftest import estimator_outputs, make_skorch_classifier, make_skorch_regressor
 from sklearn.base import is_classifier
 from sklearn.utils.estimator_checks import estimator_checks_generator, parametrize_with_checks
 from torch import nn
@@ -27,22 +27,6 @@ from sklearn_lla._registry import ESTIMATORS
 IDS = [e.id for e in ESTIMATORS]
 
 REGISTRY = pytest.mark.parametrize("entry", ESTIMATORS, ids=IDS)
-
-
-@pytest.fixture
-def case(request, reg_data, reg_net, clf_data, clf_net):
-    """``(X, y, X_test, pretrained skorch net)`` matching the entry's task."""
-    entry = request.getfixturevalue("entry")
-    if entry.is_classifier:
-        return clf_data.X, clf_data.y, clf_data.X_test, clf_net
-    return reg_data.X, reg_data.y, reg_data.X_test, reg_net
-
-
-def _outputs(est, X):
-    """What the estimator predicts: (mean, std) or probabilities."""
-    if is_classifier(est):
-        return (est.predict_proba(X),)
-    return est.predict(X, return_std=True)
 
 
 def _assert_same(a, b, rtol=0.0, atol=0.0):
@@ -153,7 +137,7 @@ def test_net_is_never_modified(entry, case, module_guard):
         p.requires_grad_(True)
     snap = module_guard.snapshot(net.module_)
     est = entry.make(net, device="cpu", random_state=0).fit(X, y)
-    _outputs(est, Xt)
+    estimator_outputs(est, Xt)
     module_guard.check(net.module_, snap)
     assert est.net_ is net
 
@@ -168,7 +152,7 @@ def test_pickle_round_trip(entry, case):
     X, y, Xt, net = case
     est = entry.make(net, device="cpu", random_state=0).fit(X, y)
     back = pickle.loads(pickle.dumps(est))
-    _assert_same(_outputs(est, Xt), _outputs(back, Xt))
+    _assert_same(estimator_outputs(est, Xt), estimator_outputs(back, Xt))
     assert back.prior_variance_ == est.prior_variance_
     assert back.hyper_strategy_ == est.hyper_strategy_
 
@@ -180,7 +164,7 @@ def test_determinism_under_random_state(entry, case, net_kind):
     net = net if net_kind == "pretrained" else None
     a = entry.make(net, device="cpu", random_state=5).fit(X, y)
     b = entry.make(net, device="cpu", random_state=5).fit(X, y)
-    _assert_same(_outputs(a, Xt), _outputs(b, Xt))
+    _assert_same(estimator_outputs(a, Xt), estimator_outputs(b, Xt))
     state = torch.random.get_rng_state()
     entry.make(net, device="cpu", random_state=5).fit(X, y)
     assert torch.equal(state, torch.random.get_rng_state()), "fit touched torch's global RNG"
@@ -190,20 +174,23 @@ def test_determinism_under_random_state(entry, case, net_kind):
 def test_batch_size_invariance(entry, case):
     X, y, Xt, net = case
     est = entry.make(net, device="cpu", random_state=0, batch_size=7).fit(X, y)
-    small = _outputs(est, Xt)
+    small = estimator_outputs(est, Xt)
     est.set_params(batch_size=1000)
-    _assert_same(small, _outputs(est, Xt), rtol=1e-10, atol=1e-13)
+    _assert_same(small, estimator_outputs(est, Xt), rtol=1e-10, atol=1e-13)
     # a point's predictive does not depend on the other points predicted with it
-    _assert_same([o[3:5] for o in small], _outputs(est, Xt[3:5]), rtol=1e-10, atol=1e-13)
+    _assert_same([o[3:5] for o in small], estimator_outputs(est, Xt[3:5]),
+                 rtol=1e-10, atol=1e-13)
 
 
 @REGISTRY
-def test_predict_from_threads_equals_serial(entry, case):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_predict_from_threads_equals_serial(entry, case, device):
     X, y, Xt, net = case
-    est = entry.make(net, device="cpu", random_state=0, batch_size=5).fit(X, y)
-    serial = _outputs(est, Xt)
+    est = entry.make(net, device=device, random_state=0, batch_size=5).fit(X, y)
+    serial = estimator_outputs(est, Xt)
     with ThreadPoolExecutor(max_workers=8) as pool:
-        results = list(pool.map(lambda _: _outputs(est, Xt), range(32)))
+        results = list(pool.map(lambda _: estimator_outputs(est, Xt), range(32)))
     for r in results:
         _assert_same(serial, r)
     if not is_classifier(est) and entry.joint:
@@ -243,7 +230,7 @@ def test_float32_net_matches_float64(entry, case):
         fixed["noise_variance"] = 0.05
     a = entry.make(m64, device="cpu", random_state=0, **fixed).fit(X, y)
     b = entry.make(m32, device="cpu", random_state=0, **fixed).fit(X.astype(np.float32), y)
-    for u, v in zip(_outputs(a, Xt), _outputs(b, Xt.astype(np.float32))):
+    for u, v in zip(estimator_outputs(a, Xt), estimator_outputs(b, Xt.astype(np.float32))):
         np.testing.assert_allclose(v, u, rtol=1e-3, atol=1e-6)
 
 
@@ -256,7 +243,7 @@ def test_float32_net_matches_float64(entry, case):
 def test_failed_refit_keeps_previous_state(entry, case):
     X, y, Xt, net = case
     est = entry.make(net, device="cpu", random_state=0).fit(X, y)
-    before = _outputs(est, Xt)
+    before = estimator_outputs(est, Xt)
     attrs = dict(vars(est))
     X_bad = X.copy()
     X_bad[0, 0] = np.nan
@@ -266,7 +253,7 @@ def test_failed_refit_keeps_previous_state(entry, case):
         est.fit(X[:, :1], y)  # the nets take 3 (regression) or 2 (classification) features
     assert vars(est).keys() == attrs.keys()
     assert all(vars(est)[k] is v for k, v in attrs.items())
-    _assert_same(before, _outputs(est, Xt))
+    _assert_same(before, estimator_outputs(est, Xt))
 
 
 @REGISTRY
@@ -280,7 +267,7 @@ def test_bad_input_is_a_clear_error(entry, case):
             est.fit(Xb, y)
     est.fit(X, y)
     with pytest.raises(ValueError, match="features"):
-        _outputs(est, np.hstack([Xt, Xt]))
+        estimator_outputs(est, np.hstack([Xt, Xt]))
     with pytest.raises(ValueError, match="prior_variance"):
         entry.make(net, device="cpu", prior_variance=-1.0).fit(X, y)
     with pytest.raises(ValueError, match="batch_size"):
