@@ -580,3 +580,17 @@ def test_fixed_z_factor_reuse_matches_refactorising(reg_data, reg_net, monkeypat
     for u, v in zip(a.predict(reg_data.X_test, return_std=True),
                     b.predict(reg_data.X_test, return_std=True)):
         np.testing.assert_allclose(u, v, rtol=1e-10)
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")  # 100 steps
+@pytest.mark.parametrize("init, freq", [("optimal", 20), ("identity", 50)])
+def test_auto_check_frequency(reg_data, reg_net, init, freq):
+    """``validation_freq="auto"``: checks every 20 steps when they score the exact
+    objective on the monitor rows (the optimal start), every 50 when they average the
+    minibatch loss (``init="identity"``: no precomputed monitor)."""
+    est = VaLLARegressor(reg_net.module_, n_inducing=10, init=init, max_iter=100,
+                         early_stopping=True, n_iter_no_change=100, device="cpu",
+                         random_state=0).fit(reg_data.X, reg_data.y)
+    steps = [s for s, _ in est.stopping_scores_ if s]
+    assert steps[:2] == [freq, 2 * freq]
+    assert est.hyper_trace_["monitor"] == ("validation" if init == "optimal" else "loss")
