@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import copy
 import math
-import weakref
 
 import numpy as np
 import torch
@@ -108,7 +107,7 @@ def default_kernel(task, *, amplitude=None, penultimate_layer=None):
 
 
 def mean_regularizer_loss(likelihood, q_mu, Kzz, terms, Kxx, Kxz, y, *, n_total, alpha=1.0,
-                          noise=None, eps=None):
+                          noise=None, eps=None, cov=None):
     """The auxiliary ``Q*`` term of the FMGP loss on one minibatch (per-point scale).
 
     ``-(1/B) sum_b E_alpha(y_b; m*(x_b), S(x_b)) + KL(Q* | P) / N`` with
@@ -139,6 +138,8 @@ def mean_regularizer_loss(likelihood, q_mu, Kzz, terms, Kxx, Kxz, y, *, n_total,
         Regression noise variance.
     eps : Tensor, optional
         Standard normal draws for Monte Carlo energies.
+    cov : Tensor of shape (B, C, C), optional
+        ``S(x)`` of the batch if already computed (it is ``latent_cov(Kxx, Kxz W^T)``).
 
     Returns
     -------
@@ -146,7 +147,8 @@ def mean_regularizer_loss(likelihood, q_mu, Kzz, terms, Kxx, Kxz, y, *, n_total,
         A scalar, added to the loss.
     """
     a = _qstar_weights(q_mu, Kzz)
-    cov = latent_cov(Kxx, Kxz @ terms.W.T)
+    if cov is None:
+        cov = latent_cov(Kxx, Kxz @ terms.W.T)
     e = alpha_energy(likelihood, Kxz @ a, cov, y, alpha=alpha, noise=noise, eps=eps)
     kl = terms.kl + 0.5 * (a @ (Kzz @ a))
     return -e.mean() + kl / n_total
@@ -330,15 +332,19 @@ class FMGPPosterior(FixedMeanGPPosterior):
                 G = G / math.sqrt(s2)
             L_raw.copy_(optimal_factor(Kzz, G))
 
-    def extra_loss(self, *, x, y, n_total, kernel, Kzz, terms, Kxx, Kxz, noise):
+    def mean_term_noise(self, noise):
+        """``sg(s2)`` when the noise is learned from ``Q*`` (see :meth:`extra_loss`)."""
+        if noise is not None and self._noise_from_qstar(self._fit_lik):
+            return noise.detach()
+        return noise
+
+    def extra_loss(self, *, x, y, n_total, kernel, Kzz, terms, Kxx, Kxz, cov, noise):
         """The ``Q*`` term (see :func:`mean_regularizer_loss`), and the noise's objective.
 
         In regression with a learned noise ``s2`` (see the module docstring):
 
-        * the thesis' terms are evaluated with ``sg(s2)`` (``sg``: stop the gradient),
-          ``Q*``'s directly and the engine's fixed-mean term ``-mean E_alpha(y; g, S,
-          s2)`` by adding ``mean E_alpha(y; g, S, s2) - mean E_alpha(y; g, S, sg(s2))``,
-          which changes neither the loss's value nor any other gradient;
+        * the thesis' terms are evaluated with ``sg(s2)`` (``sg``: stop the gradient):
+          ``Q*``'s here, the engine's fixed-mean term through :meth:`mean_term_noise`;
         * ``s2`` takes its gradient from ``Q*``'s ELBO data term,
           ``-mean E_0(y; sg(m*), sg(S), s2)``.
         """
@@ -352,34 +358,20 @@ class FMGPPosterior(FixedMeanGPPosterior):
                                   generator=self._gen, dtype=torch.float64).to(Kxz.device)
             return mean_regularizer_loss(lik, self.q_mu, Kzz, terms, Kxx, Kxz, y,
                                          n_total=n_total, alpha=self.alpha, noise=noise,
-                                         eps=eps)
-        held = noise.detach()
-        cov = latent_cov(Kxx, Kxz @ terms.W.T)
+                                         eps=eps, cov=cov)
         a = _qstar_weights(self.q_mu, Kzz)
         m_star = Kxz @ a
-        e_star = alpha_energy(lik, m_star, cov, y, alpha=self.alpha, noise=held)
+        e_star = alpha_energy(lik, m_star, cov, y, alpha=self.alpha, noise=noise.detach())
         e_noise = alpha_energy(lik, m_star.detach(), cov.detach(), y, alpha=0.0, noise=noise)
-        g = self._mean(self._fit_lin, x)
-        e_mean = alpha_energy(lik, g, cov, y, alpha=self.alpha, noise=noise)
-        e_mean_held = alpha_energy(lik, g, cov, y, alpha=self.alpha, noise=held)
         kl = terms.kl + 0.5 * (a @ (Kzz @ a))
-        return (-(e_star.mean() + e_noise.mean()) + kl / n_total
-                + (e_mean.mean() - e_mean_held.mean()))
+        return -(e_star.mean() + e_noise.mean()) + kl / n_total
 
     def _mean(self, lin, x):
         feats = self._features
-        if feats is not None and feats.net is lin:
+        if feats is not None and feats.net is lin:  # g(x) and psi(x) from one forward pass
             with torch.no_grad():
                 return feats(x)[0].double()
-        if lin is not getattr(self, "_fit_lin", None):
-            return super()._mean(lin, x)
-        # while fitting, the engine's fixed-mean term and extra_loss share one forward
-        cached = self._mean_cache
-        if cached is not None and cached[0]() is x and cached[1] == x._version:
-            return cached[2]
-        g = super()._mean(lin, x)
-        self._mean_cache = (weakref.ref(x), x._version, g)
-        return g
+        return super()._mean(lin, x)
 
     # -- fit -------------------------------------------------------------------------
     def fit(self, data):
@@ -389,13 +381,12 @@ class FMGPPosterior(FixedMeanGPPosterior):
         ``data`` holds held-out rows: those are for :meth:`calibrate`.
         """
         self._fit_lik = self._energy_likelihood(data.likelihood)
-        self._fit_lin = data.lin
-        self._mean_cache = self._noise0 = None
+        self._noise0 = None
         self._gen = data.generator
         try:
             super().fit(data)
         finally:
-            del self._fit_lik, self._fit_lin, self._mean_cache, self._gen, self._noise0
+            del self._fit_lik, self._gen, self._noise0
         self.q_mu = self.q_mu.detach()
         return self
 

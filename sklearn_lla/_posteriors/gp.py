@@ -417,9 +417,22 @@ class FixedMeanGPPosterior(Posterior):
         """Further trainable tensors of :meth:`extra_loss` (created in :meth:`make_kernel`)."""
         return []
 
-    def extra_loss(self, *, x, y, n_total, kernel, Kzz, terms, Kxx, Kxz, noise):
-        """A loss term added to the minibatch loss (per-point scale), default none."""
+    def extra_loss(self, *, x, y, n_total, kernel, Kzz, terms, Kxx, Kxz, cov, noise):
+        """A loss term added to the minibatch loss (per-point scale), default none.
+
+        ``cov`` is the batch's latent covariance blocks ``S(x)`` (B, C, C) that the
+        fixed-mean term used; ``noise`` the regression noise variance (``None`` for
+        classification), as a tensor that carries its gradient.
+        """
         return None
+
+    def mean_term_noise(self, noise):
+        """The noise variance the fixed-mean term is evaluated with (a hook).
+
+        Default: ``noise`` itself. FMGP returns it with its gradient stopped when the
+        noise is learned from ``Q*``'s ELBO alone.
+        """
+        return noise
 
     # -- helpers ---------------------------------------------------------------------
     def _display_name(self):
@@ -522,10 +535,12 @@ class FixedMeanGPPosterior(Posterior):
             if self._needs_eps(elik):
                 eps = torch.randn((self.n_energy_samples, *mean.shape), generator=gen,
                                   dtype=torch.float64).to(dev)
-            e = alpha_energy(elik, mean, cov, y, alpha=self.alpha, noise=noise(), eps=eps)
+            s2 = noise()
+            e = alpha_energy(elik, mean, cov, y, alpha=self.alpha,
+                             noise=self.mean_term_noise(s2), eps=eps)
             loss = -e.mean() + terms.kl / n_total
             extra = self.extra_loss(x=x, y=y, n_total=n_total, kernel=kernel, Kzz=Kzz,
-                                    terms=terms, Kxx=Kxx, Kxz=Kxz, noise=noise())
+                                    terms=terms, Kxx=Kxx, Kxz=Kxz, cov=cov, noise=s2)
             return loss if extra is None else loss + extra
 
         validation = self.monitor(kernel, Z, cz, L_raw, noise)  # the objective itself

@@ -357,7 +357,7 @@ class VaLLAPosterior(FixedMeanGPPosterior):
                                            warn=False)
         return torch.sqrt(s0) * chol1
 
-    def extra_loss(self, *, x, y, n_total, kernel, Kzz, terms, Kxx, Kxz, noise):
+    def extra_loss(self, *, x, y, n_total, kernel, Kzz, terms, Kxx, Kxz, cov, noise):
         """The mean part of the KL (:meth:`_mean_kl`), per training row.
 
         A constant when nothing it depends on is learned (``"full"`` with a fixed
