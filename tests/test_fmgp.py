@@ -11,6 +11,7 @@
   mean is the network's output exactly; held-out NLL and CQM better than the network
   with a fitted constant noise; the classifier's probabilities valid and its NLL / ECE
   better than the raw (overconfident) network;
+* the routing of the learned noise's gradient in the training loss (Q*'s ELBO alone);
 * the penultimate-layer rule and its errors; a user kernel object.
 """
 
@@ -352,6 +353,81 @@ def test_noise_is_learned_by_qstar_not_from_the_networks_training_residuals():
     print(f"noise_variance_ {reg.noise_variance_:.4f} (true 0.09, network residual {mse:.4f})")
     assert 0.06 < reg.noise_variance_ < 0.135
     assert reg.hyper_trace_["stopped_early"]
+
+
+class _Captured(Exception):
+    pass
+
+
+def test_noise_gradient_comes_from_qstars_elbo_alone_and_the_rest_sees_it_held(monkeypatch):
+    """The routing of the learned noise's gradient in the real training loss.
+
+    The engine's minibatch loss (taken from the first call of ``minimize``, where the
+    fit is then stopped) is differentiated on one batch. ``d loss / d log s2`` must
+    equal that of ``Q*``'s ELBO data term alone, ``-mean E_0(y; m*, S, s2)`` with
+    ``m*`` and ``S`` held: ``1/2 - mean((y - m*)^2 + S) / (2 s2)`` in closed form (a
+    noise gradient also routed through the fixed-mean term or ``Q*``'s alpha-energy
+    fails this). ``q_mu`` enters only through ``Q*``'s thesis terms (its energy at
+    alpha = 1 and the decoupled KL), so its gradient is theirs, recomputed here (a
+    noise term that did not hold ``m*`` fails this). And every other parameter sees
+    ``s2`` held: with ``log s2`` no longer a leaf that requires a gradient, the loss's
+    value and its gradients w.r.t. ``q_mu`` and ``L`` are the same.
+    """
+    import sklearn_lla._posteriors.gp as gp_mod
+    from sklearn_lla._posteriors.fmgp import _qstar_weights
+    from sklearn_lla._posteriors.gp import alpha_energy, latent_cov
+
+    seen = {}
+    start = FMGPPosterior.start
+
+    def record_start(self, data, kernel, Z, cz, L_raw, log_noise):
+        start(self, data, kernel, Z, cz, L_raw, log_noise)
+        seen.update(post=self, kernel=kernel, Z=Z, cz=cz, L=L_raw, log_noise=log_noise)
+
+    def capture(loss_fn, params, batches, **kw):
+        x, yb = next(batches)
+        log_noise, q_mu, L = seen["log_noise"], seen["post"].q_mu, seen["L"]
+        assert log_noise is not None and log_noise.requires_grad
+        loss = loss_fn((x, yb))
+        seen["grads"] = torch.autograd.grad(loss, [log_noise, q_mu, L])
+        seen["loss"] = float(loss.detach())
+        kernel, Z, cz = seen["kernel"], seen["Z"], seen["cz"]
+        with torch.no_grad():
+            Kzz, Kxz, Kxx = kernel.batch(x, Z, cz)
+            W = variational_terms(Kzz, L).W
+            S = torch.diagonal(latent_cov(Kxx, Kxz @ W.T), dim1=-2, dim2=-1).reshape(-1)
+            r = yb.reshape(-1).double() - (Kxz @ _qstar_weights(q_mu, Kzz)).reshape(-1)
+            seen["want"] = float(0.5 - (r * r + S).mean() / (2 * torch.exp(log_noise)))
+        # q_mu enters the thesis' loss only through Q*: -mean E_1(y; Kxz a, S, s2) and
+        # 1/2 a^T Kzz a / N, a = (Kzz + eps I)^-1 q_mu (s2 and S held)
+        q = q_mu.detach().clone().requires_grad_(True)
+        a = _qstar_weights(q, Kzz.detach())
+        e1 = alpha_energy(Gaussian(1.0), Kxz.detach() @ a, latent_cov(Kxx, Kxz @ W.T).detach(),
+                          yb.double().reshape(len(x), 1), alpha=1.0,
+                          noise=torch.exp(log_noise).detach())
+        qstar = -e1.mean() + 0.5 * (a @ (Kzz.detach() @ a)) / len(X)
+        seen["want_q"] = torch.autograd.grad(qstar, [q])[0]
+        log_noise.requires_grad_(False)
+        held = loss_fn((x, yb))
+        seen["held_grads"] = torch.autograd.grad(held, [q_mu, L])
+        seen["held_loss"] = float(held.detach())
+        raise _Captured
+
+    monkeypatch.setattr(FMGPPosterior, "start", record_start)
+    monkeypatch.setattr(gp_mod, "minimize", capture)
+    rng = np.random.default_rng(0)
+    X = rng.uniform(-3, 3, (200, 1))
+    y = np.sin(2 * X[:, 0]) + 0.3 * rng.standard_normal(200)
+    with pytest.raises(_Captured):
+        FMGPRegressor(_Sin(), n_inducing=10, random_state=0, device="cpu").fit(X, y)
+    g_noise, g_q, g_L = seen["grads"]
+    print(f"d loss / d log s2 = {float(g_noise):.6f}, closed form {seen['want']:.6f}")
+    assert abs(seen["want"]) > 1e-3  # a nonzero target: the check is not 0 == 0
+    assert float(g_noise) == pytest.approx(seen["want"], rel=1e-10, abs=1e-12)
+    assert seen["held_loss"] == pytest.approx(seen["loss"], rel=1e-12)
+    torch.testing.assert_close(g_q, seen["want_q"], rtol=1e-9, atol=1e-13)
+    torch.testing.assert_close(seen["held_grads"][0], g_q, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(seen["held_grads"][1], g_L, rtol=1e-10, atol=1e-14)
 
 
 def _hetero(n, seed):
