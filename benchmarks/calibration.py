@@ -134,6 +134,7 @@ from _common import (  # noqa: E402
     train_skorch_mlp,
     warning_summary,
 )
+from _families import family_tables  # noqa: E402
 
 SEED = 0  # make_friedman1's generator seed; splits use --seeds
 REGRESSION = ("diabetes", "friedman1")
@@ -733,7 +734,9 @@ def main():
 def report(args, env, infos, records, total):
     """Print the tables (and write ``--out`` / ``--json``) for ``records``."""
     vs = verdicts(records)
-    doc = [f"Environment: {env}", ""]
+    doc = [f"Environment: {env}", "",
+           "### Summary by family (means over seeds; digits time: fit + predict)", "",
+           family_tables(vs, records, args.situations), ""]
     for ds in args.datasets:
         for sit in args.situations:
             nets = [i for i in infos if i["dataset"] == ds]

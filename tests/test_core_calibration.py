@@ -102,7 +102,21 @@ def test_temperature_on_the_flat_lower_end_does_not_warn():
         warnings.simplefilter("error", HyperparameterWarning)
         T, trace = calibrate_temperature(Categorical(3), z, broad, y)
     assert trace["kept"] and T == pytest.approx(0.01, rel=1e-2)
+    # a tiny variance: T cannot sharpen those rows past the network (every logit's
+    # probit scale is capped at 1), so they do not move the search's lower end either
     mixed = broad.clone()
-    mixed[:300] = 1e-6 * eye  # half the rows: a variance below T_lo^2, still sharpened
-    with pytest.warns(HyperparameterWarning, match="lower bound"):
-        calibrate_temperature(Categorical(3), z, mixed, y)
+    mixed[:300] = 1e-6 * eye
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HyperparameterWarning)
+        T, trace = calibrate_temperature(Categorical(3), z, mixed, y)
+    assert T == pytest.approx(0.01, rel=1e-2)
+    # a moderate variance v = 2 everywhere: T sharpens down to the rows' common floor
+    # sqrt(1 - pi v / 8), where every logit is back at the network's scale; the NLL
+    # still falls there, so the bound matters and it warns, naming the floor
+    moderate = 2.0 * eye.expand(600, 3, 3).clone()
+    floor = math.sqrt(1 - math.pi * 2.0 / 8)
+    with pytest.warns(HyperparameterWarning, match=f"lower bound {floor:.3g}"):
+        T, trace = calibrate_temperature(Categorical(3), z, moderate, y)
+    assert T == pytest.approx(floor, rel=1e-3)
+    p = Categorical(3).with_temperature(T).predict(z, moderate)
+    np.testing.assert_allclose(p, torch.softmax(z, -1), rtol=1e-6)

@@ -383,7 +383,13 @@ def test_classifier_temperature_on_held_out_rows(space, clf_data, clf_net):
     p = est.predict_proba(Xv)
     with torch.no_grad():
         lp = est.posterior_.predict(torch.as_tensor(Xv, dtype=torch.float64))
-        want = lik.with_temperature(1.0).predict(lp.mean / T, lp.cov / T**2)
+        # f / T_x per point, T_x = max(T, sqrt(1 - pi min_c v_c / 8)): no logit's probit
+        # scale above 1 (a temperature below 1 never sharpens past the network)
+        v = torch.diagonal(lp.cov, dim1=-2, dim2=-1).clamp_min(0).min(-1).values
+        Tx = torch.clamp(torch.sqrt((1 - math.pi / 8 * v).clamp_min(0)), min=T) if T < 1 \
+            else torch.full_like(v, T)
+        want = lik.with_temperature(1.0).predict(lp.mean / Tx[:, None],
+                                                 lp.cov / Tx[:, None, None] ** 2)
     np.testing.assert_allclose(p, want.numpy(), rtol=1e-12)
     # a fixed prior variance: the user chose the predictive, no temperature
     fixed = LLAClassifier(clf_net, space=space, prior_variance=0.5, device="cpu").fit(

@@ -17,6 +17,7 @@ from sklearn_lla._core.likelihoods import (
     Gaussian,
     point_normals,
     row_keys,
+    sharpening_floor,
 )
 
 DT = torch.float64
@@ -334,3 +335,54 @@ def test_point_normals_depend_only_on_the_point():
     big = point_normals(row_keys(rng.randn(500, 2), 0), 200, 2).numpy().ravel()
     assert abs(big.mean()) < 0.01 and abs(big.std() - 1) < 0.01
     assert scipy.stats.kstest(big, "norm").pvalue > 1e-3
+
+
+@pytest.mark.parametrize("link", ["probit", "mc", "bridge"])
+def test_temperature_below_one_never_scales_a_logit_up(link):
+    """``f / T_x``, ``T_x = max(T, sqrt(1 - pi min_c v_c / 8))``: a sharpening temperature
+    takes back the posterior's spread but no logit's probit scale exceeds 1, so rows
+    without latent variance keep the network's own probabilities, rows with a large
+    variance are tempered in full, and ``T >= 1`` is plain tempering."""
+    g = torch.Generator().manual_seed(0)
+    B, C = 6, 4
+    mean = 3 * torch.randn(B, C, dtype=torch.float64, generator=g)
+    A = torch.randn(B, C, C, dtype=torch.float64, generator=g)
+    v = torch.tensor([0.0, 0.1, 0.5, 1.5, 3.0, 30.0], dtype=torch.float64)
+    cov = A @ A.transpose(-1, -2) / C
+    d = torch.diagonal(cov, dim1=-2, dim2=-1)
+    cov = cov / d.min(-1).values[:, None, None] * v[:, None, None]  # min_c v_c = v
+    cov[0] = 0.0
+    eps = torch.randn(256, B, C, dtype=torch.float64, generator=g)
+    lik = Categorical(C, link_approx=link)
+
+    def by_hand(Tx):
+        return lik.predict(mean / Tx[:, None], cov / Tx[:, None, None] ** 2, eps=eps)
+
+    floor = torch.sqrt((1 - math.pi / 8 * v).clamp_min(0))
+    np.testing.assert_allclose(floor.numpy(), sharpening_floor(cov).numpy(), rtol=1e-12)
+    for T in (0.05, 0.5, 0.9):
+        got = lik.with_temperature(T).predict(mean, cov, eps=eps)
+        np.testing.assert_allclose(got, by_hand(torch.clamp(floor, min=T)), rtol=1e-12)
+        # no latent variance: exactly the network (the bridge has no zero-variance
+        # limit); v >= 8 / pi: the full temperature
+        if link != "bridge":
+            np.testing.assert_allclose(got[0], torch.softmax(mean[0], -1), rtol=1e-12)
+        np.testing.assert_allclose(got[5], by_hand(torch.full((B,), T, dtype=torch.float64))[5],
+                                   rtol=1e-12)
+        if link == "probit":  # every logit's scale 1 / sqrt(T_x^2 + pi v_c / 8) <= 1
+            Tx = torch.clamp(floor, min=T)[:, None]
+            scale = 1 / torch.sqrt(Tx**2 + math.pi / 8 * torch.diagonal(cov, dim1=-2, dim2=-1))
+            assert float(scale.max()) <= 1 + 1e-12
+    for T in (1.0, 2.0):  # at or above 1: the plain f / T
+        got = lik.with_temperature(T).predict(mean, cov, eps=eps)
+        np.testing.assert_allclose(got, by_hand(torch.full((B,), T, dtype=torch.float64)),
+                                   rtol=1e-12)
+    # one logit: the same floor (its only variance)
+    b = Bernoulli(link_approx=link)
+    z, vz = mean[:, :1], v.reshape(B, 1, 1)
+    got = b.with_temperature(0.2).predict(z, vz, eps=eps[..., :1])
+    Tb = torch.clamp(floor, min=0.2)
+    want = b.predict(z / Tb[:, None], vz / Tb[:, None, None] ** 2, eps=eps[..., :1])
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    if link != "bridge":
+        assert float(got[0, 1]) == pytest.approx(float(torch.sigmoid(z[0, 0])), rel=1e-12)

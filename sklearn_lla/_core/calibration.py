@@ -11,7 +11,11 @@ latent covariance ``S(x)`` the posterior produced and move one scalar:
 * classification, a **temperature** ``T`` of the latent, ``f / T`` with
   ``f ~ N(g(x), S(x))`` (temperature scaling, Guo et al. 2017, applied to the whole
   Laplace predictive: the ratio of posterior spread to logit scale is kept, so the
-  posterior's effect away from the data survives).
+  posterior's effect away from the data survives). A temperature below 1 takes back
+  spread without scaling any logit up: per point it is raised to the floor
+  ``sqrt(1 - pi min_c v_c / 8)`` where every logit's probit scale is back to 1
+  (:func:`~sklearn_lla._core.likelihoods.sharpening_floor`), so a point the posterior
+  is sure of keeps the network's own probabilities.
 
 Each is the minimiser of the held-out NLL over a bounded interval of ``log s2`` /
 ``log T`` (scipy's bounded Brent search on a smooth 1-D function), reported with a
@@ -28,6 +32,7 @@ import torch
 from scipy.optimize import minimize_scalar
 
 from .hyper import HyperparameterWarning
+from .likelihoods import sharpening_floor
 
 __all__ = ["CALIBRATION_ROWS", "held_out_predictive", "calibrate_noise",
            "calibrate_temperature", "gaussian_nll_curve"]
@@ -226,8 +231,10 @@ def calibrate_temperature(likelihood, mean, cov, y, *, eps=None, warn=True):
     ``T = 1`` on the other fifth, summed over the five folds; otherwise ``T = 1``.
     The search runs over ``[T_min, 100]``, ``T_min`` the smallest temperature whose
     mean confidence on the held-out rows does not exceed the raw network's (see
-    :func:`_sharpest_temperature`): a temperature can take back the spread the posterior
-    adds in distribution, not make the predictive sharper than the network.
+    :func:`_sharpest_temperature`), and not below the smallest per-row sharpening
+    floor (under it nothing changes): a temperature can take back the spread the
+    posterior adds in distribution, not make the predictive sharper than the network,
+    on average or at any row's logits (the likelihood's per-row floor).
 
     Parameters
     ----------
@@ -259,8 +266,12 @@ def calibrate_temperature(likelihood, mean, cov, y, *, eps=None, warn=True):
             with torch.no_grad():
                 return float(-lik.log_predictive(m, c, t, eps=e).mean())
 
-        t_min, raw_conf = _sharpest_temperature(likelihood, m, c, e, lo, hi)
+        t_min, raw_conf = _sharpest_temperature(likelihood, m, c, e, lowest(c), hi)
         return _bounded_log_search(nll, t_min, hi, "temperature"), t_min, raw_conf
+
+    def lowest(c):
+        # below every row's sharpening floor nothing changes (the NLL is flat there)
+        return min(max(lo, float(sharpening_floor(c).min())), 1.0)
 
     def nll_at(T, rows):
         e = None if eps is None else eps[:, rows]
@@ -271,6 +282,7 @@ def calibrate_temperature(likelihood, mean, cov, y, *, eps=None, warn=True):
     n = int(mean.shape[0])
     everything = torch.arange(n)
     (u, val, at_edge, grid, vals), t_min, raw_conf = fit(everything)
+    low = lowest(cov)
     # Kept only where it helps out of sample: a temperature fitted on the other folds
     # must beat T = 1 on each held-out fold, summed over CALIBRATION_FOLDS folds (with
     # few held-out errors the NLL's minimiser is driven by the correctly classified
@@ -291,14 +303,14 @@ def calibrate_temperature(likelihood, mean, cov, y, *, eps=None, warn=True):
                       f"{hi:g} of its range: the predictive is near uniform; check that the "
                       "held-out labels are the network's classes", HyperparameterWarning,
                       stacklevel=3)
-    elif warn and helps and u - math.log(lo) < 1e-3 and \
-            nll_at(lo, everything) < nll_at(2.0 * lo, everything) - 1e-4 * n:
+    elif warn and helps and u - math.log(low) < 1e-3 and \
+            nll_at(low, everything) < nll_at(2.0 * low, everything) - 1e-4 * n:
         # At small T the probit scale 1 / sqrt(T^2 + pi v / 8) no longer depends on T
         # for rows with v >> T^2: the NLL is flat there and its minimiser sits on the
         # bound without meaning anything. Warn only when the bound still matters (the
         # NLL still falls by more than 1e-4 per row from 2 T_lo to T_lo).
         warnings.warn(f"the temperature calibrated on the held-out rows is at the lower bound "
-                      f"{lo:g} of its range and the held-out NLL still falls there: the "
+                      f"{low:.3g} of its range and the held-out NLL still falls there: the "
                       "posterior's spread is wider than the held-out errors call for (the "
                       "predictive stays less confident than the network). Pass a smaller "
                       "prior_variance than prior_variance_ if in-distribution confidence "

@@ -119,6 +119,19 @@ def _probit_softmax(mean, cov):
     return torch.softmax(mean / torch.sqrt(1.0 + math.pi / 8.0 * _diag(cov)), dim=-1)
 
 
+def sharpening_floor(cov):
+    """Per point, the smallest temperature that scales no logit up: shape (B,).
+
+    Tempering ``f / T`` gives the probit scale ``1 / sqrt(T^2 + pi v_c / 8)`` to logit
+    ``c`` (``v_c`` its latent variance); it stays at most 1 for every class when
+    ``T^2 >= 1 - pi min_c v_c / 8``. A temperature below 1 can then take back the
+    spread the posterior adds at a point, but not make a logit larger than the
+    network's own.
+    """
+    v = _diag(cov).min(dim=-1).values
+    return torch.sqrt((1.0 - math.pi / 8.0 * v).clamp_min(0.0))
+
+
 def _bridge_softmax(mean, cov):
     # Laplace bridge (Hobbhahn et al., 2022): N(mean, diag var) -> Dirichlet, return
     # its mean. Logits are centred first (softmax is shift invariant, the bridge is
@@ -283,9 +296,12 @@ class _ClassLikelihood(Likelihood):
     :meth:`log_predictive` return the class probabilities of the latent ``f / T``,
     ``f ~ N(mean, cov)``, i.e. of ``N(mean / T, cov / T^2)`` (temperature scaling, Guo
     et al. 2017, applied to the whole Laplace predictive, so the ratio of posterior
-    spread to logit scale is kept). The curvature (:meth:`lam_factor`), the log
-    likelihood and the training-time expectations are those of the untempered model:
-    the posterior is the network's, ``T`` is calibrated afterwards on held-out rows
+    spread to logit scale is kept). Below 1, ``T`` is raised per point to
+    :func:`sharpening_floor`: it takes back the posterior's spread but scales no logit
+    up (without latent variance a point keeps the network's probabilities). The
+    curvature (:meth:`lam_factor`), the log likelihood and the training-time
+    expectations are those of the untempered model: the posterior is the network's,
+    ``T`` is calibrated afterwards on held-out rows
     (:meth:`sklearn_lla._core.protocol.Posterior.calibrate`).
     """
 
@@ -318,6 +334,10 @@ class _ClassLikelihood(Likelihood):
         T = getattr(self, "temperature", 1.0)  # pickles from before temperatures existed
         if T == 1.0:
             return mean, cov
+        if T < 1.0:
+            T = torch.maximum(torch.as_tensor(T, dtype=mean.dtype, device=mean.device),
+                              sharpening_floor(cov)).unsqueeze(-1)
+            return mean / T, cov / (T * T).unsqueeze(-1)
         return mean / T, cov / (T * T)
 
     def predict(self, mean, cov, *, eps=None, generator=None):
