@@ -367,6 +367,7 @@ def test_classifier_temperature_on_held_out_rows(space, clf_data, clf_net):
     assert nll(T) == pytest.approx(cal["best_score"], rel=1e-9)
     Tf = cal["fitted_temperature"]
     assert Tf >= cal["min_temperature"] * (1 - 1e-9)
+    assert cal["at_sharpening_limit"] == (math.log(Tf / cal["min_temperature"]) < 1e-3)
     for t in (Tf * 1.05, Tf / 1.05):  # a local minimum unless on the sharpening bound
         if t >= cal["min_temperature"]:
             assert nll(t) >= nll(Tf) - 1e-10

@@ -282,7 +282,6 @@ def calibrate_temperature(likelihood, mean, cov, y, *, eps=None, warn=True):
     n = int(mean.shape[0])
     everything = torch.arange(n)
     (u, val, at_edge, grid, vals), t_min, raw_conf = fit(everything)
-    low = lowest(cov)
     # Kept only where it helps out of sample: a temperature fitted on the other folds
     # must beat T = 1 on each held-out fold, summed over CALIBRATION_FOLDS folds (with
     # few held-out errors the NLL's minimiser is driven by the correctly classified
@@ -303,22 +302,13 @@ def calibrate_temperature(likelihood, mean, cov, y, *, eps=None, warn=True):
                       f"{hi:g} of its range: the predictive is near uniform; check that the "
                       "held-out labels are the network's classes", HyperparameterWarning,
                       stacklevel=3)
-    elif warn and helps and u - math.log(low) < 1e-3 and \
-            nll_at(low, everything) < nll_at(2.0 * low, everything) - 1e-4 * n:
-        # At small T the probit scale 1 / sqrt(T^2 + pi v / 8) no longer depends on T
-        # for rows with v >> T^2: the NLL is flat there and its minimiser sits on the
-        # bound without meaning anything. Warn only when the bound still matters (the
-        # NLL still falls by more than 1e-4 per row from 2 T_lo to T_lo).
-        warnings.warn(f"the temperature calibrated on the held-out rows is at the lower bound "
-                      f"{low:.3g} of its range and the held-out NLL still falls there: the "
-                      "posterior's spread is wider than the held-out errors call for (the "
-                      "predictive stays less confident than the network). Pass a smaller "
-                      "prior_variance than prior_variance_ if in-distribution confidence "
-                      "matters more than behaviour off the data", HyperparameterWarning,
-                      stacklevel=3)
+    # No warning at the lower end: it is a cap by design (the network's own sharpness,
+    # on average and per row), reached whenever the held-out rows have (almost) no
+    # errors; the trace records it (``"at_sharpening_limit"``).
     trace = {"temperature": np.exp(grid), "score": vals, "best_score": nll_at(T, everything) / n,
              "fitted_temperature": math.exp(u), "kept": bool(helps),
              "out_of_fold_nll": oof_fit / n, "out_of_fold_nll_at_1": oof_one / n,
              "score_at_1": nll_at(1.0, everything) / n, "min_temperature": t_min,
-             "raw_confidence": raw_conf, "n_rows": n}
+             "raw_confidence": raw_conf, "n_rows": n,
+             "at_sharpening_limit": bool(u - math.log(t_min) < 1e-3)}
     return T, trace
