@@ -19,7 +19,8 @@ latent covariance ``S(x)`` the posterior produced and move one scalar:
 
 Each is the minimiser of the held-out NLL over a bounded interval of ``log s2`` /
 ``log T`` (scipy's bounded Brent search on a smooth 1-D function), reported with a
-:class:`~sklearn_lla._core.hyper.HyperparameterWarning` when it ends at a bound.
+:class:`~sklearn_lla._core.hyper.HyperparameterWarning` when it ends at a bound (the
+temperature: at its upper bound; its lower end is the cap above, recorded in the trace).
 """
 
 from __future__ import annotations
