@@ -53,17 +53,19 @@ def _digits_seconds(records, method, sit):
     return f"{np.mean(t):.1f}" if t else ""
 
 
-def family_tables(vs, records, situations):
-    """Markdown: per situation, one row per family with the headline metrics and verdict."""
-    from calibration import CLASSIFICATION
+def family_tables(vs, records, situations, classification):
+    """Markdown: per situation, one row per family with the headline metrics and verdict.
 
+    ``classification``: the names of the classification data sets (their columns read
+    the family's classifier, the others its regressor).
+    """
     out = []
     for sit in situations:
         body = []
         for family, reg, clf in FAMILIES:
             cells = []
             for _, ds, keys, fmt in COLUMNS:
-                method = clf if ds in CLASSIFICATION else reg
+                method = clf if ds in classification else reg
                 vals = [_mean(records, method, ds, sit, k) if method else None for k in keys]
                 if any(v is None for v in vals):
                     cells.append("")

@@ -736,7 +736,7 @@ def report(args, env, infos, records, total):
     vs = verdicts(records)
     doc = [f"Environment: {env}", "",
            "### Summary by family (means over seeds; digits time: fit + predict)", "",
-           family_tables(vs, records, args.situations), ""]
+           family_tables(vs, records, args.situations, CLASSIFICATION), ""]
     for ds in args.datasets:
         for sit in args.situations:
             nets = [i for i in infos if i["dataset"] == ds]

@@ -267,12 +267,10 @@ def calibrate_temperature(likelihood, mean, cov, y, *, eps=None, warn=True):
             with torch.no_grad():
                 return float(-lik.log_predictive(m, c, t, eps=e).mean())
 
-        t_min, raw_conf = _sharpest_temperature(likelihood, m, c, e, lowest(c), hi)
+        # below every row's sharpening floor (each <= 1) nothing changes: the NLL is flat
+        lowest = max(lo, float(sharpening_floor(c).min()))
+        t_min, raw_conf = _sharpest_temperature(likelihood, m, c, e, lowest, hi)
         return _bounded_log_search(nll, t_min, hi, "temperature"), t_min, raw_conf
-
-    def lowest(c):
-        # below every row's sharpening floor nothing changes (the NLL is flat there)
-        return min(max(lo, float(sharpening_floor(c).min())), 1.0)
 
     def nll_at(T, rows):
         e = None if eps is None else eps[:, rows]
