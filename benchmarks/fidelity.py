@@ -7,7 +7,13 @@ Two small problems where exact LLA is cheap:
   trained by skorch; queries: 61 points on [-3, 3] (inside the data, the gap and
   beyond);
 * ``blobs`` (classification): 3 Gaussian blobs in 2-D (150 points), a 2-16-16-3 tanh
-  MLP trained by skorch; queries: a 15 x 15 grid over the data's box plus margins.
+  MLP trained by skorch; queries: a 15 x 15 grid over the data's box plus margins;
+* ``wiggle`` (regression): 80 points in [-2, -0.7] U [0.7, 2], ``y = x sin 3x +
+  0.15 eps``, a 1-24-24-1 tanh MLP (float32) trained by full-batch Adam without
+  weight decay, ``s0^2 = 0.5``, ``s2 = 0.0225``; queries: 161 points on [-4, 4].
+
+On the regression problems VaLLA is also run with ``n_inducing=20`` (fewer inducing
+pairs than rows, where its three ``covariance`` models differ) in each covariance.
 
 Every registered configuration (``sklearn_lla._registry.ESTIMATORS``) is fitted on the
 same net with the hyperparameters fixed to those of exact LLA (``prior_variance``
@@ -42,7 +48,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import markdown_table, set_threads  # noqa: E402
 
-S0, S2 = 1.0, 0.01
+#: (prior variance, noise variance) of each problem
+HYPER = {"gap": (1.0, 0.01), "blobs": (1.0, None), "wiggle": (0.5, 0.0225)}
+S0, S2 = HYPER["gap"]
 
 
 def gap_problem():
@@ -104,12 +112,32 @@ def mean_kl(Sp, Sq, rel_jitter=1e-10):
     return float(np.mean(out))
 
 
+def wiggle_problem():
+    """The 1-D gap problem of issue 32: ``x sin 3x``, a net trained without decay."""
+    from sklearn_lla.nets import MLP
+
+    rng = np.random.RandomState(0)
+    X = np.concatenate([rng.uniform(-2, -0.7, 40), rng.uniform(0.7, 2, 40)])[:, None]
+    y = X[:, 0] * np.sin(3 * X[:, 0]) + 0.15 * rng.randn(80)
+    torch.manual_seed(0)
+    module = MLP(1, 1, hidden_layer_sizes=(24, 24))
+    opt = torch.optim.Adam(module.parameters(), lr=1e-2)
+    xt = torch.as_tensor(X, dtype=torch.float32)
+    yt = torch.as_tensor(y[:, None], dtype=torch.float32)
+    for _ in range(2000):
+        opt.zero_grad()
+        ((module(xt) - yt) ** 2).mean().backward()
+        opt.step()
+    return (X.astype(np.float32), y, module, np.linspace(-4, 4, 161)[:, None]
+            .astype(np.float32))
+
+
 def laplace_torch_cov(net, X, y, Xq, task, structure):
     """laplace-torch's LLA latent covariances (function space, GLM predictive)."""
     from laplace import Laplace
     from torch.utils.data import DataLoader, TensorDataset
 
-    model = copy.deepcopy(net.module_).double()
+    model = copy.deepcopy(getattr(net, "module_", net)).double()
     for p in model.parameters():
         p.requires_grad_(True)
     lik = "regression" if task == "regression" else "classification"
@@ -117,8 +145,9 @@ def laplace_torch_cov(net, X, y, Xq, task, structure):
     la = Laplace(model, lik, subset_of_weights="all", hessian_structure=structure,
                  prior_precision=1.0 / S0, **kw)
     yt = torch.as_tensor(y[:, None] if task == "regression" else y)
-    la.fit(DataLoader(TensorDataset(torch.as_tensor(X), yt), batch_size=32))
-    f_mu, f_var = la._glm_predictive_distribution(torch.as_tensor(Xq))
+    X64, Xq64 = (torch.as_tensor(np.asarray(a, dtype=np.float64)) for a in (X, Xq))
+    la.fit(DataLoader(TensorDataset(X64, yt), batch_size=32))
+    f_mu, f_var = la._glm_predictive_distribution(Xq64)
     f_var = f_var.detach().numpy()
     return f_var.reshape(len(Xq), 1, 1) if task == "regression" else f_var
 
@@ -137,22 +166,38 @@ def fixed_params(cls, task):
     return kw
 
 
-def run_problem(name):
-    from sklearn_lla import LLAClassifier, LLARegressor
+def _configurations(task):
+    """``(label, class, parameters)``: every registered configuration; in regression,
+    VaLLA with 20 inducing pairs in each covariance model too."""
+    from sklearn_lla import VaLLARegressor
     from sklearn_lla._registry import ESTIMATORS
 
-    task = "regression" if name == "gap" else "classification"
-    X, y, net, Xq = gap_problem() if name == "gap" else blobs_problem()
+    out = [(e.id, e.cls, e.params) for e in ESTIMATORS
+           if e.is_classifier == (task == "classification")]
+    if task == "regression":
+        for cov in ("subspace+diagonal", "subspace", "full"):
+            out.append((f"VaLLARegressor[n_inducing=20, {cov}]", VaLLARegressor,
+                        {"n_inducing": 20, "covariance": cov}))
+    return out
+
+
+def run_problem(name):
+    global S0, S2
+    from sklearn_lla import LLAClassifier, LLARegressor
+
+    S0, S2 = HYPER[name]
+    task = "classification" if name == "blobs" else "regression"
+    X, y, net, Xq = {"gap": gap_problem, "blobs": blobs_problem,
+                     "wiggle": wiggle_problem}[name]()
     exact_cls = LLARegressor if task == "regression" else LLAClassifier
-    exact = exact_cls(net, **fixed_params(exact_cls, task)).fit(X, y)
-    S_exact = latent_cov(exact, Xq)
+    exact_net = copy.deepcopy(getattr(net, "module_", net)).double()  # the reference
+    exact = exact_cls(exact_net, **fixed_params(exact_cls, task)).fit(
+        np.asarray(X, dtype=np.float64), y)
+    S_exact = latent_cov(exact, np.asarray(Xq, dtype=np.float64))
     rows = []
-    for entry in ESTIMATORS:
-        if entry.is_classifier != (task == "classification"):
-            continue
-        label = entry.id
+    for label, cls, params in _configurations(task):
         try:
-            est = entry.cls(net, **entry.params, **fixed_params(entry.cls, task))
+            est = cls(net, **params, **fixed_params(cls, task))
             t0 = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -182,7 +227,7 @@ def run_problem(name):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--problems", default="gap,blobs")
+    ap.add_argument("--problems", default="gap,blobs,wiggle")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -190,7 +235,7 @@ def main(argv=None):
     text = []
     for name in args.problems.split(","):
         rows = run_problem(name)
-        head = f"### {name} (s0^2 = {S0}" + (f", s2 = {S2})" if name == "gap" else ")")
+        head = f"### {name} (s0^2 = {S0}" + (f", s2 = {S2})" if S2 is not None else ")")
         table = markdown_table(["estimator", "mean KL(exact || method)", "fit (s)"], rows)
         text.append(head + "\n\n" + table)
         print("\n" + text[-1], flush=True)

@@ -246,6 +246,9 @@ def init_inducing(data, n_inducing: int, seed: int):
     Regression: ``n_inducing`` centres on the inputs; with C > 1 targets the output
     indices go round-robin. Classification: ``n_inducing / n_labels`` centres per
     label, each carrying that label as its logit index (one-logit nets: index 0).
+    When ``n_inducing`` covers every (training row, output) pair (``N C``, all rows
+    read), the pairs are those: every distinct training input with every output
+    index, where the sparse GP can be exact.
     At most :data:`KMEANS_MAX_ROWS` rows are read (a seeded sample), so the cost does
     not grow with N.
 
@@ -279,7 +282,10 @@ def init_inducing(data, n_inducing: int, seed: int):
               else MiniBatchKMeans(k, n_init=3, random_state=s, batch_size=1024))
         return km.fit(rows).cluster_centers_
 
-    if data.likelihood.task == "regression":
+    if n <= KMEANS_MAX_ROWS and n_inducing >= n * C and C > 1:
+        uniq = np.unique(X, axis=0)
+        Z, cz = np.repeat(uniq, C, axis=0), np.tile(np.arange(C), len(uniq))
+    elif data.likelihood.task == "regression":
         Z = centres(X, n_inducing, seed)
         cz = np.arange(len(Z)) % C
     else:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from .._core.linalg import cholesky
+from .complement import DiagonalComplement, row_subset
 from .gp import (
     FIT_THREADS,
     FixedMeanGPPosterior,
@@ -292,16 +293,27 @@ class VaLLAPosterior(FixedMeanGPPosterior):
         Where Adam starts: ``"optimal"`` (:meth:`start`), or the papers' ``L = I``
         with ``s0^2 = ||theta_hat||^2 / P`` and ``s2`` the network's mean squared
         training residual.
+    complement : {None, "diagonal"}, default=None
+        With ``covariance="subspace"``: ``"diagonal"`` adds the diagonal posterior of
+        the parameter directions outside the inducing pairs' span
+        (:class:`~sklearn_lla._posteriors.complement.DiagonalComplement`, estimated
+        once after the fit at the fitted ``s0^2`` and likelihood) to the predictive.
     **kwargs
         The :class:`~sklearn_lla._posteriors.gp.FixedMeanGPPosterior` settings.
     """
 
-    def __init__(self, prior_variance="auto", init="optimal", **kwargs):
+    def __init__(self, prior_variance="auto", init="optimal", complement=None, **kwargs):
         super().__init__(**kwargs)
         self.prior_setting = prior_variance
         if init not in ("optimal", "identity"):
             raise ValueError(f"init must be 'optimal' or 'identity', got {init!r}")
         self.init = init
+        if complement not in (None, "diagonal"):
+            raise ValueError(f"complement must be None or 'diagonal', got {complement!r}")
+        if complement is not None and self.covariance != "subspace":
+            raise ValueError("complement='diagonal' needs covariance='subspace' (the "
+                             "'full' covariance keeps the prior in the complement)")
+        self.complement = complement
 
     def make_kernel(self, data, Z, cz):
         """The NTK kernel of ``data.lin``, with its initial prior variance."""
@@ -384,7 +396,49 @@ class VaLLAPosterior(FixedMeanGPPosterior):
         for name in ("_Z_fit", "_cz_fit", "_chol1", "_v1"):
             self.__dict__.pop(name, None)
         self.kernel.__dict__.pop("_z_cache", None)
+        self._complement = None
+        if self.complement == "diagonal":
+            with torch_threads(FIT_THREADS):
+                self._complement = self._fit_complement(data)
+            self.hyper_trace["complement"] = self._complement.trace()
         return self
+
+    def _fit_complement(self, data):
+        """The complement's diagonal posterior (``complement="diagonal"``).
+
+        Its curvature is read on up to :data:`~sklearn_lla._posteriors.complement.MAX_ROWS`
+        training rows, each row's outside fraction ``rho = (Kxx - Qxx) / Kxx`` from the
+        subspace model's own Nystrom prior, at the fitted ``s0^2`` and likelihood.
+        """
+        lin, kernel, Z, cz = self._lin, self.kernel, self._Z, self._cz
+        comp = DiagonalComplement(self.prior_variance, lin.n_params, device=Z.device)
+        idx = row_subset(data.n_samples, self.random_state + 3)
+        with torch.no_grad():
+            chol = cholesky(subspace_gram(kernel.gram(Z, cz)), "inducing kernel matrix",
+                            warn=False)
+            for i in range(0, len(idx), 256):
+                x, _ = data.rows(idx[i:i + 256])
+                Kxz, Kxx = kernel.cross_and_diag(x, Z, cz)
+                tot = torch.diagonal(Kxx, dim1=1, dim2=2)
+                res = tot - torch.diagonal(nystrom_blocks(Kxz, chol), dim1=1, dim2=2)
+                rho = torch.where(tot > 0, res / torch.where(tot > 0, tot, 1.0), 0.0)
+                lam = self.likelihood.lam_factor(self._mean(lin, x))
+                comp.add(lin.jacobian(x), rho, lam)
+        return comp.finish(len(idx), data.n_samples)
+
+    def _prior_and_v(self, x):
+        """The engine's ``(prior blocks, Kxz W^T)``; with the complement, the prior is
+        ``Qxx`` plus the complement's ``S_perp``."""
+        comp = self.__dict__.get("_complement")
+        if comp is None:
+            return super()._prior_and_v(x)
+        Kxx, V = self._predict_fn(x)
+        V, m = V.double(), self._n_w
+        U = V[..., m:]
+        Q = U @ U.transpose(-1, -2)
+        residual = (Kxx.double() - Q) / self.kernel.prior_variance
+        residual = 0.5 * (residual + residual.transpose(-1, -2))
+        return Q + comp.blocks(self._lin.jacobian(x), residual), V[..., :m]
 
     def start(self, data, kernel, Z, cz, L_raw, log_noise):
         """Start at the optimum for the k-means inducing points (Proposition 3).
@@ -579,4 +633,8 @@ class VaLLAPosterior(FixedMeanGPPosterior):
             else:
                 U, V = V[:, m:], V[:, :m]
                 K = U @ U.T
+            comp = self.__dict__.get("_complement")
+            if comp is not None:
+                R = (self.kernel.joint(x) - K) / self.kernel.prior_variance
+                K = K + comp.joint(self._lin.jacobian(x), 0.5 * (R + R.T))
         return mean, joint_cov(K, V)

@@ -218,8 +218,9 @@ class StructuredJacobian:
         The autograd twin of :meth:`gram` (which works in place and builds no graph):
         out-of-place operations only, so gradients flow to whichever factors require
         them (e.g. factors built with ``differentiable=True`` at inducing inputs that
-        are being learned). Each layer's two products are formed in the factors' dtype
-        and combined in float64; on the way back, gradient entries below the smallest
+        are being learned). The factors are cast to float64 before each layer's two
+        products (the sums over the layer's width accumulate in float64); on the way
+        back, gradient entries below the smallest
         normal number of a float32 (or float16) factor are flushed to zero before
         the cast (subnormal operands slow a CPU matrix product down by two orders of
         magnitude, and such entries are below that dtype's resolution anyway).
@@ -241,9 +242,12 @@ class StructuredJacobian:
         B2, k2 = other.n_points, other.rows_per_point
         G = None
         for la, lb in zip(self.layers, other.layers):
-            DD = _to_f64(la.delta @ lb.delta.T)  # (B1 k1, B2 k2)
+            # accumulate the inner products over the layer's width in float64: a float32
+            # sum leaves relative errors of ~1e-7 sqrt(width) in every kernel entry,
+            # which an inverse of a near-singular inducing Gram matrix amplifies
+            DD = _to_f64(la.delta) @ _to_f64(lb.delta).T  # (B1 k1, B2 k2)
             if la.has_weight:
-                K = _to_f64(la.act @ lb.act.T)  # (B1, B2)
+                K = _to_f64(la.act) @ _to_f64(lb.act).T  # (B1, B2)
                 if la.has_bias:
                     K = K + 1.0
                 if k1 == 1 and k2 == 1:
