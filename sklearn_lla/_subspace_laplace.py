@@ -32,7 +32,7 @@ class _SubspaceMixin:
     _subspace_constraints = {
         "projector": [StrOptions(set(PROJECTORS))],
         "subspace_dim": [Interval(Integral, 1, None, closed="left"), StrOptions({"auto"})],
-        "residual_correction": ["boolean", StrOptions({"auto"})],
+        "residual_correction": ["boolean", StrOptions({"auto", "kfac"})],
         "n_subset": [Interval(Integral, 1, None, closed="left"), StrOptions({"auto"})],
         "subspace_X": ["array-like", None],
         "swag_learning_rate": [Interval(Real, 0, None, closed="neither")],

@@ -31,7 +31,7 @@ class _ELLAMixin:
         "early_stopping": ["boolean"],
         "search_freq": [Interval(Integral, 1, None, closed="left")],
         "n_iter_no_change": [Interval(Integral, 1, None, closed="left")],
-        "residual_correction": ["boolean"],
+        "residual_correction": ["boolean", StrOptions({"kfac"})],
     }
 
     def _make_posterior(self, data):
