@@ -59,9 +59,9 @@ def _abar(layer, act):
 
 def _kfac_pass(payload, batches):
     """Row sums of the KFAC factors: ``(sum abar abar^T per layer..., sum G per layer...,
-    n_points)`` over ``batches``."""
+    n_points, tr GGN)`` over ``batches`` (unit noise for a Gaussian likelihood)."""
     lin, lik = payload
-    A, G, n = None, None, 0
+    A, G, n, tr = None, None, 0, 0.0
     for x, _ in batches:
         F = lin.factored_jacobian(x)
         B, C = F.n_points, F.rows_per_point
@@ -77,10 +77,11 @@ def _kfac_pass(payload, batches):
             d = d.reshape(-1, d.shape[-1])
             a_sums.append(a.T @ a)
             g_sums.append(d.T @ d)
+            tr += float((d.pow(2).sum(1).reshape(B, C).sum(1) * a.pow(2).sum(1)).sum())
         A = a_sums if A is None else [s + t for s, t in zip(A, a_sums)]
         G = g_sums if G is None else [s + t for s, t in zip(G, g_sums)]
         n += B
-    return (*A, *G, n)
+    return (*A, *G, n, tr)
 
 
 class KFACComplement:
@@ -104,8 +105,8 @@ class KFACComplement:
         self.regression = data.likelihood.task == "regression"
         bs = min(data.batch_size, 1024)
         out = data.reduce(_kfac_pass, (lin, data.likelihood), bs)
-        n = out[-1]
-        L = (len(out) - 1) // 2
+        n, self.ggn_trace = out[-2], float(out[-1])
+        L = (len(out) - 2) // 2
         probe = lin.factored_jacobian(data.rows(slice(0, 1))[0])
         self.layers = [(layer.weight_name, layer.bias_name) for layer in probe.layers]
         if len(self.layers) != L:
@@ -117,17 +118,18 @@ class KFACComplement:
             self.eig.append((lg.clamp_min(0.0), Ug, la.clamp_min(0.0), Ua))
         self.Q = None if Q is None or len(Q) == 0 else Q.to(_F64)
         self._cache = {}
+        self.scale, self.fraction = 1.0, 1.0
 
     # ---------------------------------------------------------------- algebra
     def _key(self, s0, s2):
         """``(mult, tau)``: ``Sigma = mult * (H_unit + tau I)^-1``."""
         mult = float(s2) if self.regression and s2 is not None else 1.0
-        return mult, mult / float(s0)
+        return mult, mult * self.fraction / float(s0)
 
     def _weights(self, tau):
-        """Per layer ``1 / (lam_G lam_A^T + tau)`` (out, in'): ``(H_unit + tau I)^-1``'s
-        eigenvalues in the Kronecker eigenbasis."""
-        return [1.0 / (torch.outer(lg, la) + tau) for lg, _, la, _ in self.eig]
+        """Per layer ``1 / (rho lam_G lam_A^T + tau)`` (out, in'): ``(rho H_KFAC + tau
+        I)^-1``'s eigenvalues in the Kronecker eigenbasis."""
+        return [1.0 / (self.scale * torch.outer(lg, la) + tau) for lg, _, la, _ in self.eig]
 
     def _to_blocks(self, T):
         """A dict of parameter tensors (K, *shape) -> per layer (K, out, in')."""
@@ -149,6 +151,51 @@ class KFACComplement:
             if b is not None:
                 T[b] = X[..., -1]
         return T
+
+    def match_trace(self, inside_trace, fraction=1.0):
+        """Scale the KFAC curvature to the GGN's trace outside ``span(Q)``.
+
+        ``rho = tr(P_perp GGN P_perp) / tr(P_perp GGN_KFAC P_perp)``, with
+        ``tr(P_perp GGN P_perp) = tr GGN - inside_trace`` (``inside_trace = tr(Q GGN
+        Q^T)``, the trace of the feature-space GGN): the complement's curvature is
+        KFAC's shape with the size the data give it. When ``span(Q)`` holds every
+        training Jacobian row (full-rank ELLA, a subspace at the Jacobian's rank) the
+        data determine nothing outside it, ``rho = 0`` and the complement keeps the
+        prior, exactly as exact LLA; with nothing kept ``rho`` is ``tr GGN /
+        tr GGN_KFAC``.
+
+        After early stopping (the posterior of the first ``fraction`` of the rows,
+        prior precision ``fraction / s0^2``) the complement is that of those rows:
+        curvature matched to ``fraction * tr GGN - inside_trace``, prior scaled alike.
+
+        Parameters
+        ----------
+        inside_trace : float
+            ``tr(Q GGN Q^T)`` (unit noise) of the rows the posterior holds.
+        fraction : float, default=1.0
+            The share of the training rows the posterior holds.
+
+        Returns
+        -------
+        float
+            ``rho``.
+        """
+        self.fraction = float(fraction)
+        outside = max(self.fraction * self.ggn_trace - float(inside_trace), 0.0)
+        kfac_total = sum(float(lg.sum() * la.sum()) for lg, _, la, _ in self.eig)
+        kfac_inside = 0.0
+        if self.Q is not None:
+            Qd = self.lin.unflatten(self.Q)
+            blocks = self._to_blocks({k: v.to(_F64) for k, v in Qd.items()})
+            for (lg, Ug, la, Ua), X in zip(self.eig, blocks):
+                Y = Ug.T @ X @ Ua
+                kfac_inside += float((Y * Y * torch.outer(lg, la)).sum())
+        kfac_outside = max(kfac_total - kfac_inside, 0.0)
+        tiny = 1e-12 * max(self.ggn_trace, kfac_total, 1e-300)
+        # relative round-off of the differences: below it the complement holds no data
+        self.scale = outside / kfac_outside if outside > tiny and kfac_outside > tiny else 0.0
+        self._cache = {}
+        return self.scale
 
     def _apply_unit(self, tau, T):
         """``(H_unit + tau I)^-1 T`` for a dict of K parameter tensors."""

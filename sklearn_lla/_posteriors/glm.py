@@ -341,6 +341,12 @@ class GLMPosterior(Posterior):
         eye = torch.eye(len(L), dtype=L.dtype, device=L.device)
         return torch.linalg.solve_triangular(L, eye, upper=False).T
 
+    def _match_complement(self, G, prior_scale):
+        """Match the KFAC complement's curvature to the GGN's trace outside ``span(V)``."""
+        if self.complement is not None:
+            Gs = G if self._W is None else self._W.T @ G @ self._W
+            self.complement.match_trace(float(torch.trace(Gs)), prior_scale)
+
     def _kept_rows(self):
         """Orthonormal rows ``Q = W^T V^T`` (K x P, float64) spanning ``span(V)``."""
         V = getattr(self.features, "V", None)
@@ -437,6 +443,7 @@ class GLMPosterior(Posterior):
                                                             order, desc)
         self._fit_stat = fit_stat
         self.n_seen, self.prior_scale = n_seen, n_seen / N
+        self._match_complement(G, self.prior_scale)
         self.eigvals, self._factor = self._spectrum_factor(G)
         del G
         result = self._objective(data, self.eigvals, self._factor, self.prior_scale,
@@ -504,6 +511,7 @@ class GLMPosterior(Posterior):
         """Held-out NLL of the posterior of the rows seen so far (early stopping)."""
         import warnings
 
+        self._match_complement(G, prior_scale)
         e, F = self._spectrum_factor(G)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", HyperparameterWarning)

@@ -465,7 +465,7 @@ class SubspacePosterior(GLMPosterior):
                             and self.prior_variance == "auto" and self.hyper == "auto")
         super().fit(data)
         self.residual_excess = None
-        if self.residual_correction is True:
+        if self.residual_correction:
             self._check_residual(data, switch=residual_auto)
         proj = {"prior_variance": self.projector_prior_variance,
                 "noise_variance": self.projector_noise_variance}
@@ -544,8 +544,8 @@ class SubspacePosterior(GLMPosterior):
         s2 = self.noise_variance if self._regression else 1.0
         excess = self.prior_variance * outside / s2 / (self.n_seen * data.n_outputs)
         self.residual_excess = float(excess)
-        if excess <= RESIDUAL_TOL:
-            return
+        if excess <= RESIDUAL_TOL or self.residual_correction == "kfac":
+            return  # the KFAC complement is shrunk by the data: nothing is inflated
         what = ("the noise variance" if self._regression else "the curvature")
         msg = (f"the subspace (subspace_dim_={self.features.dim}) misses directions the "
                f"training data determine: the prior variance outside it would add "
