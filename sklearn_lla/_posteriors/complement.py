@@ -37,9 +37,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KFACComplement", "supports_kfac_complement"]
+__all__ = ["KFACComplement", "supports_kfac_complement", "OUTSIDE_RTOL"]
 
 _F64 = torch.float64
+
+#: Below this fraction of the GGN's trace outside the kept span the data determine
+#: nothing there (round-off of float32 features, of the dropped Nystrom eigenvalues):
+#: the complement is the prior (:meth:`KFACComplement.match_trace`).
+OUTSIDE_RTOL = 1e-6
 
 
 def supports_kfac_complement(lin) -> bool:
@@ -118,17 +123,20 @@ class KFACComplement:
             self.eig.append((lg.clamp_min(0.0), Ug, la.clamp_min(0.0), Ua))
         self.Q = None if Q is None or len(Q) == 0 else Q.to(_F64)
         self._cache = {}
-        self.scale, self.fraction = 1.0, 1.0
+        self.scale, self.fraction, self.outside_fraction = 1.0, 1.0, None
 
     # ---------------------------------------------------------------- algebra
     def _key(self, s0, s2):
         """``(mult, tau)``: ``Sigma = mult * (H_unit + tau I)^-1``."""
         mult = float(s2) if self.regression and s2 is not None else 1.0
-        return mult, mult * self.fraction / float(s0)
+        # after early stopping: the KFAC of the rows seen is ``fraction`` times the
+        # full data's (a random subset) and the prior precision ``fraction / s0^2``
+        return mult / self.fraction, mult / float(s0)
 
     def _weights(self, tau):
         """Per layer ``1 / (rho lam_G lam_A^T + tau)`` (out, in'): ``(rho H_KFAC + tau
-        I)^-1``'s eigenvalues in the Kronecker eigenbasis."""
+        I)^-1``'s eigenvalues in the Kronecker eigenbasis (``rho`` in {0, 1},
+        :meth:`match_trace`)."""
         return [1.0 / (self.scale * torch.outer(lg, la) + tau) for lg, _, la, _ in self.eig]
 
     def _to_blocks(self, T):
@@ -152,21 +160,26 @@ class KFACComplement:
                 T[b] = X[..., -1]
         return T
 
-    def match_trace(self, inside_trace, fraction=1.0):
-        """Scale the KFAC curvature to the GGN's trace outside ``span(Q)``.
+    def match_trace(self, inside_trace, fraction=1.0, total_trace=None):
+        """Switch the complement's curvature off when the data leave none outside ``Q``.
 
-        ``rho = tr(P_perp GGN P_perp) / tr(P_perp GGN_KFAC P_perp)``, with
         ``tr(P_perp GGN P_perp) = tr GGN - inside_trace`` (``inside_trace = tr(Q GGN
-        Q^T)``, the trace of the feature-space GGN): the complement's curvature is
-        KFAC's shape with the size the data give it. When ``span(Q)`` holds every
-        training Jacobian row (full-rank ELLA, a subspace at the Jacobian's rank) the
-        data determine nothing outside it, ``rho = 0`` and the complement keeps the
-        prior, exactly as exact LLA; with nothing kept ``rho`` is ``tr GGN /
-        tr GGN_KFAC``.
+        Q^T)``, the trace of the feature-space GGN) is the curvature the data put
+        outside ``span(Q)``. When it vanishes (to :data:`OUTSIDE_RTOL` of ``tr GGN``:
+        full-rank ELLA, a subspace at the Jacobian's rank) the exact posterior there
+        is the prior, and KFAC, whose factors do not know ``span(Q)``, would shrink
+        it: ``rho = 0`` and the complement is the prior, so full rank is exact LLA.
+        Otherwise ``rho = 1``: KFAC's own curvature. (Matching KFAC's trace outside
+        ``span(Q)`` to the GGN's instead was measured and rejected: KFAC's top
+        directions do not align with the GGN's, its trace outside ``span(Q)`` is
+        dominated by them, and the matched scale over-shrank the curvature of the
+        directions that hold the variance: 3,000 rows, ``n_nystrom=200``, ratio to
+        exact LLA's epistemic variance 4.1 against 1.1 with ``rho = 1``.)
 
-        After early stopping (the posterior of the first ``fraction`` of the rows,
+        After early stopping (the posterior of a random ``fraction`` of the rows,
         prior precision ``fraction / s0^2``) the complement is that of those rows:
-        curvature matched to ``fraction * tr GGN - inside_trace``, prior scaled alike.
+        ``fraction`` times the full data's KFAC and the same prior precision, i.e.
+        ``Sigma / fraction``.
 
         Parameters
         ----------
@@ -174,6 +187,8 @@ class KFACComplement:
             ``tr(Q GGN Q^T)`` (unit noise) of the rows the posterior holds.
         fraction : float, default=1.0
             The share of the training rows the posterior holds.
+        total_trace : float, optional
+            ``tr GGN`` of those rows (default: all of them, or ``fraction`` of it).
 
         Returns
         -------
@@ -181,19 +196,10 @@ class KFACComplement:
             ``rho``.
         """
         self.fraction = float(fraction)
-        outside = max(self.fraction * self.ggn_trace - float(inside_trace), 0.0)
-        kfac_total = sum(float(lg.sum() * la.sum()) for lg, _, la, _ in self.eig)
-        kfac_inside = 0.0
-        if self.Q is not None:
-            Qd = self.lin.unflatten(self.Q)
-            blocks = self._to_blocks({k: v.to(_F64) for k, v in Qd.items()})
-            for (lg, Ug, la, Ua), X in zip(self.eig, blocks):
-                Y = Ug.T @ X @ Ua
-                kfac_inside += float((Y * Y * torch.outer(lg, la)).sum())
-        kfac_outside = max(kfac_total - kfac_inside, 0.0)
-        tiny = 1e-12 * max(self.ggn_trace, kfac_total, 1e-300)
-        # relative round-off of the differences: below it the complement holds no data
-        self.scale = outside / kfac_outside if outside > tiny and kfac_outside > tiny else 0.0
+        total = self.fraction * self.ggn_trace if total_trace is None else float(total_trace)
+        outside = total - float(inside_trace)
+        self.outside_fraction = max(outside, 0.0) / total if total > 0 else 0.0
+        self.scale = 1.0 if self.outside_fraction > OUTSIDE_RTOL else 0.0
         self._cache = {}
         return self.scale
 

@@ -193,6 +193,15 @@ def ggn_statistics(payload, batches):
     return G, fit_stat, n
 
 
+def _batch_ggn_trace(feats, lik, x):
+    """``sum_b tr(Lam_b J_b J_b^T)`` over a batch (unit noise for a Gaussian)."""
+    K = feats.ntk_diag(x)
+    if lik.unit_curvature:
+        return float(torch.einsum("bcc->", K))
+    A = lik.lam_factor(feats.lin.forward(x).double())
+    return float(torch.einsum("bck,bcd,bdk->", A, K, A))
+
+
 def _residual_kernel(feats, W, x, phi):
     """``k(x, x) - phi R^-1 phi^T`` per point: the NTK outside span(V) (C x C, symmetric)."""
     if W is None:
@@ -345,7 +354,8 @@ class GLMPosterior(Posterior):
         """Match the KFAC complement's curvature to the GGN's trace outside ``span(V)``."""
         if self.complement is not None:
             Gs = G if self._W is None else self._W.T @ G @ self._W
-            self.complement.match_trace(float(torch.trace(Gs)), prior_scale)
+            seen = self._seen_trace if self.early_stopping else None
+            self.complement.match_trace(float(torch.trace(Gs)), prior_scale, seen)
 
     def _kept_rows(self):
         """Orthonormal rows ``Q = W^T V^T`` (K x P, float64) spanning ``span(V)``."""
@@ -473,6 +483,7 @@ class GLMPosterior(Posterior):
 
     def _early_stopping_pass(self, data, feats, lik, K, N, bs, order, desc):
         """Stream in random order, checking the held-out NLL; the best state."""
+        self._seen_trace = 0.0  # tr GGN of the rows seen (the KFAC complement's check)
         G = torch.zeros((K, K), dtype=torch.float64, device=data.device)
         fit_stat = 0.0  # residual sum of squares (regression) or log likelihood
         bar = data.progress(N, desc)
@@ -482,6 +493,8 @@ class GLMPosterior(Posterior):
             df, b = _accumulate_batch(feats, lik, G, x, y)
             fit_stat += df
             n_seen += b
+            if self.complement is not None:
+                self._seen_trace += _batch_ggn_trace(feats, lik, x)
             if bar is not None:
                 bar.update(b)
             if n_seen >= next_check or n_seen == N:
@@ -492,7 +505,7 @@ class GLMPosterior(Posterior):
                     score = np.inf
                 self.history.append((n_seen, score))
                 if np.isfinite(score) and (best is None or score < best[0]):
-                    best = (score, G.clone(), n_seen, fit_stat)
+                    best = (score, G.clone(), n_seen, fit_stat, self._seen_trace)
                     bad = 0
                 else:
                     bad += 1
@@ -504,7 +517,7 @@ class GLMPosterior(Posterior):
             raise FloatingPointError(
                 "early stopping: the held-out NLL was not finite at any check; check "
                 "the validation data and the network's outputs on it")
-        _, G, n_seen, fit_stat = best
+        _, G, n_seen, fit_stat, self._seen_trace = best
         return G, fit_stat, n_seen
 
     def _held_out_score(self, data, G, prior_scale, fit_stat, n_seen):
