@@ -207,7 +207,7 @@ class KFACComplement:
         """``(H_unit + tau I)^-1 T`` for a dict of K parameter tensors."""
         W = self._weights(tau)
         out = []
-        for (lg, Ug, la, Ua), w, X in zip(self.eig, W, self._to_blocks(T)):
+        for (_, Ug, _, Ua), w, X in zip(self.eig, W, self._to_blocks(T)):
             Y = Ug.T @ X @ Ua
             out.append(Ug @ (Y * w) @ Ua.T)
         return self._from_blocks(out)
@@ -237,7 +237,7 @@ class KFACComplement:
         """``j_c^T Sigma_unit j_d`` per point (B, C, C) from the factored Jacobian."""
         B, C = F.n_points, F.rows_per_point
         out = torch.zeros((B, C, C), dtype=_F64, device=F.device)
-        for layer, (lg, Ug, la, Ua), w in zip(F.layers, self.eig, W):
+        for layer, (_, Ug, _, Ua), w in zip(F.layers, self.eig, W):
             at = _abar(layer, layer.act.to(_F64)) @ Ua  # (B, in')
             dt = (layer.delta.to(_F64) @ Ug).reshape(B, C, -1)  # (B, C, out)
             t = (at * at) @ w.T  # (B, out)
@@ -287,7 +287,7 @@ class KFACComplement:
         F = self.lin.factored_jacobian(x)
         B, C = F.n_points, F.rows_per_point
         cov = torch.zeros((B * C, B * C), dtype=_F64, device=F.device)
-        for layer, (lg, Ug, la, Ua), w in zip(F.layers, self.eig, W):
+        for layer, (_, Ug, _, Ua), w in zip(F.layers, self.eig, W):
             at = _abar(layer, layer.act.to(_F64)) @ Ua  # (B, in')
             dt = (layer.delta.to(_F64) @ Ug).reshape(B, C, -1)
             T = torch.einsum("pj,qj,ij->pqi", at, at, w)  # (B, B, out)
