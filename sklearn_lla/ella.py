@@ -107,7 +107,7 @@ class ELLARegressor(_ELLAMixin, LaplaceRegressorMixin):
         Jacobian backend fall back to ``False``. ``True``: the prior variance,
         ``s0^2 (k(x,x) - phi(x) phi(x)^T)`` (full-rank ELLA then equals exact LLA at
         every input; at large ``N`` it overshoots). ``False``: none (the paper's,
-        the default before 0.x).
+        the default before issue 34).
     trainable_only : bool, default=True
         Linearise only parameters with ``requires_grad=True``.
     device : str or torch.device, default="auto"
