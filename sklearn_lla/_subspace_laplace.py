@@ -32,7 +32,7 @@ class _SubspaceMixin:
     _subspace_constraints = {
         "projector": [StrOptions(set(PROJECTORS))],
         "subspace_dim": [Interval(Integral, 1, None, closed="left"), StrOptions({"auto"})],
-        "residual_correction": ["boolean", StrOptions({"auto"})],
+        "residual_correction": ["boolean", StrOptions({"auto", "kfac"})],
         "n_subset": [Interval(Integral, 1, None, closed="left"), StrOptions({"auto"})],
         "subspace_X": ["array-like", None],
         "swag_learning_rate": [Interval(Real, 0, None, closed="neither")],
@@ -52,7 +52,8 @@ class _SubspaceMixin:
 
     def _store_fitted(self, posterior):
         self.subspace_dim_ = int(posterior.features.dim)
-        self.residual_correction_ = bool(posterior.residual_correction)
+        rc = posterior.residual_correction
+        self.residual_correction_ = rc if rc == "kfac" else bool(rc)
         self.residual_excess_ = posterior.residual_excess
         self.projector_ = posterior.projector_rows
         self.projector_eigvals_ = (None if posterior.projector_eigvals is None
@@ -120,8 +121,8 @@ class SubspaceLaplace(_SubspaceMixin, _LaplaceBase):
         SGD learning rate of the SWAG run.
     swag_n_steps : int, default=100
         SGD steps of the SWAG run.
-    residual_correction : bool or "auto", default="auto"
-        Add the prior variance outside ``span(P)`` to the predictive (see
+    residual_correction : bool, "kfac" or "auto", default="auto"
+        The posterior outside ``span(P)`` in the predictive (see
         :class:`SubspaceLaplaceRegressor`).
     link_approx : {"probit", "mc", "bridge"}, default="probit"
         Approximation of ``E softmax(f)`` (classification only).
@@ -153,8 +154,9 @@ class SubspaceLaplace(_SubspaceMixin, _LaplaceBase):
         Noise variance in use (regression only).
     subspace_dim_ : int
         ``s`` in use.
-    residual_correction_ : bool
-        Whether the prior variance outside ``span(P)`` is in the predictive.
+    residual_correction_ : bool or "kfac"
+        The posterior outside ``span(P)`` in the predictive (``"kfac"``, the prior
+        (``True``) or none).
     residual_excess_ : float or None
         Mean latent variance the residual adds on a training row, in units of the
         noise variance (regression) or of the curvature (classification); ``None``

@@ -89,12 +89,16 @@ class SubspaceLaplaceRegressor(_SubspaceMixin, LaplaceRegressorMixin):
         SGD learning rate of the SWAG run (``projector="subset-swag"``).
     swag_n_steps : int, default=100
         SGD steps of the SWAG run.
-    residual_correction : bool or "auto", default="auto"
-        Add ``s0^2 J(x) (I - P P^T) J(x)^T``, the prior variance outside ``span(P)``,
+    residual_correction : bool, "kfac" or "auto", default="auto"
+        The posterior outside ``span(P)``. ``"kfac"``: a KFAC posterior projected
+        on the complement, ``j_perp^T Sigma_KFAC j_perp`` (at large ``N`` most of
+        exact LLA's epistemic variance lies outside ``span(P)``; ``docs/fidelity.md``).
+        ``True``: add ``s0^2 J(x) (I - P P^T) J(x)^T``, the prior variance outside ``span(P)``,
         to the predictive (the posterior is then the full-network Laplace
         approximation with the GGN compressed onto ``span(P)``, and the evidence is
-        that model's). ``"auto"``: on for the low-rank projectors built on training
-        inputs, unless ``span(P)`` misses directions the training data determine
+        that model's). ``"auto"``: ``"kfac"`` for the low-rank projectors built on
+        training inputs of networks with the structured Jacobian backend; on others
+        ``True``, unless ``span(P)`` misses directions the training data determine
         (the residual would add more than 0.25 x the noise variance to a training
         row's latent variance; ``residual_excess_``): then off, with a
         ``RuntimeWarning``. Off for the subset and optimal projectors (the paper's
@@ -121,8 +125,9 @@ class SubspaceLaplaceRegressor(_SubspaceMixin, LaplaceRegressorMixin):
         Noise variance in use.
     subspace_dim_ : int
         ``s`` in use.
-    residual_correction_ : bool
-        Whether the prior variance outside ``span(P)`` is in the predictive.
+    residual_correction_ : bool or "kfac"
+        The posterior outside ``span(P)`` in the predictive (``"kfac"``, the prior
+        (``True``) or none).
     residual_excess_ : float or None
         Mean latent variance the residual adds on a training row, in units of the
         noise variance (regression) or of the curvature (classification); ``None``
@@ -243,8 +248,8 @@ class SubspaceLaplaceClassifier(_SubspaceMixin, LaplaceClassifierMixin):
         SGD learning rate of the SWAG run (``projector="subset-swag"``).
     swag_n_steps : int, default=100
         SGD steps of the SWAG run.
-    residual_correction : bool or "auto", default="auto"
-        Add the prior variance outside ``span(P)`` to the latent covariance (see
+    residual_correction : bool, "kfac" or "auto", default="auto"
+        The posterior outside ``span(P)`` in the latent covariance (see
         :class:`SubspaceLaplaceRegressor`).
     link_approx : {"probit", "mc", "bridge"}, default="probit"
         Approximation of ``E softmax(f)`` under the Gaussian latent.
@@ -275,8 +280,9 @@ class SubspaceLaplaceClassifier(_SubspaceMixin, LaplaceClassifierMixin):
         Prior variance in use.
     subspace_dim_ : int
         ``s`` in use.
-    residual_correction_ : bool
-        Whether the prior variance outside ``span(P)`` is in the predictive.
+    residual_correction_ : bool or "kfac"
+        The posterior outside ``span(P)`` in the predictive (``"kfac"``, the prior
+        (``True``) or none).
     residual_excess_ : float or None
         Mean latent variance the residual adds on a training row, in units of the
         noise variance (regression) or of the curvature (classification); ``None``

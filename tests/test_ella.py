@@ -190,6 +190,7 @@ def _fit_full_rank(est, X, y):
 
 def _ella_reg(module, **kw):
     params = dict(n_nystrom=ALL, n_components=ALL, prior_variance=S0, noise_variance=S2,
+                  residual_correction=False,
                   device="cpu", random_state=0)
     params.update(kw)
     return ELLARegressor(module, **params)
@@ -278,7 +279,7 @@ def test_residual_correction_equals_exact_everywhere(which, request):
     if which == "clf":
         kw = dict(n_nystrom=ALL, n_components=ALL, prior_variance=S0_CLF, device="cpu",
                   random_state=0)
-        plain, resid = ELLAClassifier(d.module, **kw), ELLAClassifier(
+        plain, resid = ELLAClassifier(d.module, residual_correction=False, **kw), ELLAClassifier(
             d.module, residual_correction=True, **kw)
         exact = LLAClassifier(d.module, prior_variance=S0_CLF, device="cpu")
     else:
@@ -304,6 +305,13 @@ def test_residual_correction_equals_exact_everywhere(which, request):
     _, c_p_tr = _latent(plain, d.X)
     _, c_r_tr = _latent(resid, d.X)
     assert _max_rel(_diag(c_r_tr), _diag(c_p_tr)) < RTOL_EXACT
+    # The KFAC complement (the default): full rank, the data determine nothing outside
+    # span(V), its curvature is matched to zero trace there and it is the prior: exact.
+    kfac = clone(resid).set_params(residual_correction="kfac")
+    _fit_full_rank(kfac, d.X, d.y)
+    assert kfac.posterior_.complement.scale == 0.0
+    _, c_k = _latent(kfac, d.X_far)
+    np.testing.assert_allclose(c_k, c_x, rtol=0, atol=RTOL_EXACT * np.abs(c_x).max())
 
 
 # ---------------------------------------------------------------------------------

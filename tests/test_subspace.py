@@ -35,6 +35,7 @@ from sklearn_lla._core.likelihoods import Categorical, Gaussian
 from sklearn_lla._core.protocol import FitData
 from sklearn_lla._network.curvature import KFAC, full_ggn, ggn_diagonal
 from sklearn_lla._network.linearized import LinearizedNet
+from sklearn_lla._posteriors import subspace as subspace_posterior
 from sklearn_lla._posteriors.subspace import PROJECTORS
 from sklearn_lla.diagnostics import latent_predictive, predictive_kl, trace_criterion
 from sklearn_lla.subspace import (
@@ -338,19 +339,27 @@ def test_lowrank_directions_do_not_depend_on_the_chunking(row_space, clf_data, c
     np.testing.assert_allclose(torch.linalg.svdvals(V7 @ V1.T).numpy(), 1.0, atol=1e-8)
 
 
-def test_residual_is_dropped_when_the_subspace_misses_the_data(reg_data, reg_net):
+def test_residual_is_dropped_when_the_subspace_misses_the_data(reg_data, reg_net, monkeypatch):
     X, y = reg_data.X, reg_data.y
-    with pytest.warns(RuntimeWarning, match="misses directions the training data determine"):
+    # "auto" on a structured net: the KFAC complement, shrunk by the data (no warning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
         est = _make("regression", reg_net, subspace_dim=2).fit(X, y)
-    assert not est.residual_correction_ and est.residual_excess_ > 0.25
-    # the predictive is then the paper's S_P
-    paper = _make("regression", reg_net, subspace_dim=2, residual_correction=False).fit(X, y)
-    np.testing.assert_array_equal(est.projector_eigvals_, paper.projector_eigvals_)
-    # asked for explicitly, it stays on with a warning
+    assert est.residual_correction_ == "kfac" and est.residual_excess_ > 0.25
+    # the prior residual, asked for explicitly, stays on with a warning
     with pytest.warns(RuntimeWarning, match="std on the data is inflated"):
         kept = _make("regression", reg_net, subspace_dim=2, residual_correction=True).fit(X, y)
-    assert kept.residual_correction_
+    assert kept.residual_correction_ is True
     assert kept.residual_excess_ == pytest.approx(est.residual_excess_, rel=1e-12)
+    # without the structured backend "auto" is the prior residual, dropped when it
+    # would inflate the std on the data
+    monkeypatch.setattr(subspace_posterior, "supports_kfac_complement", lambda lin: False)
+    with pytest.warns(RuntimeWarning, match="misses directions the training data determine"):
+        off = _make("regression", reg_net, subspace_dim=2).fit(X, y)
+    assert off.residual_correction_ is False and off.residual_excess_ > 0.25
+    # the predictive is then the paper's S_P
+    paper = _make("regression", reg_net, subspace_dim=2, residual_correction=False).fit(X, y)
+    np.testing.assert_array_equal(off.projector_eigvals_, paper.projector_eigvals_)
     # a subspace that holds the data: no warning, nothing added on the training rows
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)

@@ -46,6 +46,7 @@ from .._core.protocol import (
     validation_residuals,
 )
 from .._network.linearized import stack_flat
+from .complement import KFACComplement, supports_kfac_complement
 
 __all__ = ["Features", "JacobianFeatures", "ProjectionFeatures", "GLMPosterior"]
 
@@ -192,6 +193,15 @@ def ggn_statistics(payload, batches):
     return G, fit_stat, n
 
 
+def _batch_ggn_trace(feats, lik, x):
+    """``sum_b tr(Lam_b J_b J_b^T)`` over a batch (unit noise for a Gaussian)."""
+    K = feats.ntk_diag(x)
+    if lik.unit_curvature:
+        return float(torch.einsum("bcc->", K))
+    A = lik.lam_factor(feats.lin.forward(x).double())
+    return float(torch.einsum("bck,bcd,bdk->", A, K, A))
+
+
 def _residual_kernel(feats, W, x, phi):
     """``k(x, x) - phi R^-1 phi^T`` per point: the NTK outside span(V) (C x C, symmetric)."""
     if W is None:
@@ -201,6 +211,11 @@ def _residual_kernel(feats, W, x, phi):
         inside = pw @ pw.transpose(1, 2)
     res = feats.ntk_diag(x) - inside
     return 0.5 * (res + res.transpose(1, 2))
+
+
+def _orthonormal(phi, W):
+    """``J(x) Q^T`` with ``Q = W^T V^T`` the orthonormal rows spanning ``span(V)``."""
+    return phi if W is None else phi @ W
 
 
 def _prior_shrinkage(e, s0, s2, prior_scale):
@@ -220,8 +235,10 @@ def validation_nll(payload, batches):
     Parameters
     ----------
     payload : tuple
-        ``(features, W, residual_correction, likelihood, T, D, s0s, s2s, seed)``: the
-        fitted feature map, the whitening map of the residual correction, the
+        ``(features, W, residual, likelihood, T, D, s0s, s2s, seed)``: the
+        fitted feature map, the whitening map ``W`` of ``span(V)``, the residual
+        correction (``True``: the prior outside ``span(V)``; a
+        :class:`~sklearn_lla._posteriors.complement.KFACComplement`; else none), the
         factor ``T`` (K x K), the per-candidate shrinkage rows ``D`` (n x K), the
         candidates' prior and noise variances (``s2`` NaN for classification) and
         the seed of a Monte Carlo link.
@@ -233,6 +250,7 @@ def validation_nll(payload, batches):
         The summed NLL per candidate (float64) and the number of rows.
     """
     feats, W, residual, lik, T, D, s0s, s2s, seed = payload
+    comp = residual if isinstance(residual, KFACComplement) else None
     scores = torch.zeros(len(s0s), dtype=torch.float64)
     mc = uses_mc_link(lik)
     gen = torch.Generator().manual_seed(seed) if mc else None
@@ -241,7 +259,8 @@ def validation_nll(payload, batches):
     for x, y in batches:
         g, phi = feats(x)
         check_finite_outputs(g, "validation rows")
-        res = _residual_kernel(feats, W, x, phi) if residual else None
+        res = _residual_kernel(feats, W, x, phi) if residual is True else None
+        outside = {}  # the KFAC complement per (mult, tau): Sigma = mult * unit(tau)
         psi = torch.einsum("bck,kl->bcl", phi, T)
         eps = None
         if mc:
@@ -252,6 +271,12 @@ def validation_nll(payload, batches):
             cov = torch.einsum("bck,k,bdk->bcd", psi, D[k], psi)
             if res is not None:
                 cov = cov + float(s0s[k]) * res
+            if comp is not None:
+                s2k = None if np.isnan(s2s[k]) else float(s2s[k])
+                mult, tau = comp._key(float(s0s[k]), s2k)
+                if tau not in outside:
+                    outside[tau] = comp.unit_covariance(x, _orthonormal(phi, W), tau)
+                cov = cov + mult * outside[tau]
             scores[k] -= float(liks[k].log_predictive(g, cov, y, eps=eps).sum())
     return scores, n
 
@@ -284,13 +309,17 @@ class GLMPosterior(Posterior):
         over-concentration at large N). Needs rows the network did not fit.
     search_freq : int, default=1000
     n_iter_no_change : int, default=5
-    residual_correction : bool, default=False
-        Add the prior variance outside ``span(V)``, ``s0^2 (k(x,x) - phi R^-1 phi^T)``.
+    residual_correction : bool or "kfac", default=False
+        The posterior outside ``span(V)``: ``True`` the prior,
+        ``s0^2 (k(x,x) - phi R^-1 phi^T)``; ``"kfac"`` a KFAC posterior projected on
+        the complement (:mod:`sklearn_lla._posteriors.complement`; networks without
+        the structured Jacobian backend fall back to ``False``); ``False`` none.
     label : str, default="LLA"
         The method's name in progress bars.
     """
 
     fitted_attributes = ("features", "prior_variance", "likelihood", "eigvals", "T", "d",
+                         "complement",
                          "n_seen", "prior_scale", "hyper_strategy", "hyper_trace",
                          "log_evidence")
 
@@ -320,6 +349,22 @@ class GLMPosterior(Posterior):
         L = cholesky(R.double(), "prior Gram V^T V")
         eye = torch.eye(len(L), dtype=L.dtype, device=L.device)
         return torch.linalg.solve_triangular(L, eye, upper=False).T
+
+    def _match_complement(self, G, prior_scale):
+        """Match the KFAC complement's curvature to the GGN's trace outside ``span(V)``."""
+        if self.complement is not None:
+            Gs = G if self._W is None else self._W.T @ G @ self._W
+            seen = self._seen_trace if self.early_stopping else None
+            self.complement.match_trace(float(torch.trace(Gs)), prior_scale, seen)
+
+    def _kept_rows(self):
+        """Orthonormal rows ``Q = W^T V^T`` (K x P, float64) spanning ``span(V)``."""
+        V = getattr(self.features, "V", None)
+        if V is None:
+            return None
+        lin = self.features.lin
+        flat = (stack_flat(V, lin.names) if isinstance(V, dict) else V).double()
+        return flat if self._W is None else self._W.T @ flat
 
     def _decompose(self, G):
         """Eigenvalues of the prior-whitened Gram and the whitened eigenvectors ``T``."""
@@ -390,6 +435,12 @@ class GLMPosterior(Posterior):
         bs = min(data.batch_size, feats.max_batch(data.n_outputs))
         self.history = []
         self._W = self._whiten_map()
+        self.complement = None
+        if self.residual_correction == "kfac":
+            if supports_kfac_complement(data.lin):
+                self.complement = KFACComplement(data.lin, data, self._kept_rows())
+            else:
+                self.residual_correction = False
         self._mc_seed = mc_seed(lik, data.generator)
         desc = f"{self.label}: accumulating the GGN"
         if not self.early_stopping:  # one row-sum pass (per partition on dask input)
@@ -402,6 +453,7 @@ class GLMPosterior(Posterior):
                                                             order, desc)
         self._fit_stat = fit_stat
         self.n_seen, self.prior_scale = n_seen, n_seen / N
+        self._match_complement(G, self.prior_scale)
         self.eigvals, self._factor = self._spectrum_factor(G)
         del G
         result = self._objective(data, self.eigvals, self._factor, self.prior_scale,
@@ -431,6 +483,7 @@ class GLMPosterior(Posterior):
 
     def _early_stopping_pass(self, data, feats, lik, K, N, bs, order, desc):
         """Stream in random order, checking the held-out NLL; the best state."""
+        self._seen_trace = 0.0  # tr GGN of the rows seen (the KFAC complement's check)
         G = torch.zeros((K, K), dtype=torch.float64, device=data.device)
         fit_stat = 0.0  # residual sum of squares (regression) or log likelihood
         bar = data.progress(N, desc)
@@ -440,6 +493,8 @@ class GLMPosterior(Posterior):
             df, b = _accumulate_batch(feats, lik, G, x, y)
             fit_stat += df
             n_seen += b
+            if self.complement is not None:
+                self._seen_trace += _batch_ggn_trace(feats, lik, x)
             if bar is not None:
                 bar.update(b)
             if n_seen >= next_check or n_seen == N:
@@ -450,7 +505,7 @@ class GLMPosterior(Posterior):
                     score = np.inf
                 self.history.append((n_seen, score))
                 if np.isfinite(score) and (best is None or score < best[0]):
-                    best = (score, G.clone(), n_seen, fit_stat)
+                    best = (score, G.clone(), n_seen, fit_stat, self._seen_trace)
                     bad = 0
                 else:
                     bad += 1
@@ -462,13 +517,14 @@ class GLMPosterior(Posterior):
             raise FloatingPointError(
                 "early stopping: the held-out NLL was not finite at any check; check "
                 "the validation data and the network's outputs on it")
-        _, G, n_seen, fit_stat = best
+        _, G, n_seen, fit_stat, self._seen_trace = best
         return G, fit_stat, n_seen
 
     def _held_out_score(self, data, G, prior_scale, fit_stat, n_seen):
         """Held-out NLL of the posterior of the rows seen so far (early stopping)."""
         import warnings
 
+        self._match_complement(G, prior_scale)
         e, F = self._spectrum_factor(G)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", HyperparameterWarning)
@@ -505,7 +561,9 @@ class GLMPosterior(Posterior):
         feats = self.features
         bs = min(val.batch_size, feats.max_batch(val.n_outputs))
         W = self._W if self.residual_correction else None
-        payload = (feats, W, self.residual_correction, val.likelihood, T, D,
+        residual = self.complement if self.complement is not None else (
+            self.residual_correction is True)
+        payload = (feats, W, residual, val.likelihood, T, D,
                    np.asarray(s0s, dtype=float), np.asarray(s2s, dtype=float), self._mc_seed)
         total, n = val.reduce(validation_nll, payload, bs)
         return total.cpu().numpy() / max(n, 1)
@@ -602,12 +660,19 @@ class GLMPosterior(Posterior):
         return None
 
     # ---------------------------------------------------------------- prediction
+    def _noise(self):
+        """The noise variance in use (``None`` for classification)."""
+        return float(self.likelihood.noise_variance) if self._regression else None
+
     def predict(self, x):
         """Latent predictive ``N(g(x), phi T diag(d) T^T phi^T)`` at a batch ``x``."""
         g, phi = self.features(x)
         psi = phi @ self.T
         cov = torch.einsum("bck,k,bdk->bcd", psi, self.d, psi)
-        if self.residual_correction:
+        if self.complement is not None:
+            cov = cov + self.complement.covariance(x, _orthonormal(phi, self._W),
+                                                   self.prior_variance, self._noise())
+        elif self.residual_correction:
             cov = cov + self.prior_variance * _residual_kernel(self.features, self._W, x, phi)
         return LatentPredictive(g, 0.5 * (cov + cov.transpose(1, 2)))
 
@@ -617,7 +682,10 @@ class GLMPosterior(Posterior):
         B, C, K = phi.shape
         Z = (phi @ self.T).reshape(B * C, K) * self.d.sqrt()
         cov = Z @ Z.T
-        if self.residual_correction:
+        if self.complement is not None:
+            cov = cov + self.complement.joint_covariance(x, _orthonormal(phi, self._W),
+                                                         self.prior_variance, self._noise())
+        elif self.residual_correction:
             k = self.features.lin.kernel(x, n_outputs=C)
             pr = phi.reshape(B * C, K)
             inside = (pr @ pr.T) if self._W is None else (pr @ self._W) @ (pr @ self._W).T

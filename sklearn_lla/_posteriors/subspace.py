@@ -53,6 +53,7 @@ from .._network.curvature import (
     swag_variances,
 )
 from .._network.linearized import stack_flat
+from .complement import supports_kfac_complement
 from .glm import GLMPosterior, ProjectionFeatures
 
 __all__ = ["SubspacePosterior", "PROJECTORS", "MAX_OPTIMAL_PARAMS", "lowrank_directions",
@@ -308,12 +309,14 @@ class SubspacePosterior(GLMPosterior):
         Inputs to use as ``X'`` instead of a random training subset.
     swag_learning_rate : float, default=1e-2
     swag_n_steps : int, default=100
-    residual_correction : bool or "auto", default="auto"
-        Keep the prior variance of the directions outside ``span(P)`` in the predictive
-        (:class:`~sklearn_lla._posteriors.glm.GLMPosterior`); the low-rank projectors
-        are then built in the span of the training Jacobians (``row_space`` of
-        :func:`lowrank_directions`). ``"auto"``: on for the low-rank projectors built on
-        training rows, off for the subset and optimal projectors.
+    residual_correction : bool, "kfac" or "auto", default="auto"
+        The posterior of the directions outside ``span(P)`` in the predictive
+        (:class:`~sklearn_lla._posteriors.glm.GLMPosterior`: ``True`` the prior,
+        ``"kfac"`` a projected KFAC posterior); with either the low-rank projectors
+        are built in the span of the training Jacobians (``row_space`` of
+        :func:`lowrank_directions`). ``"auto"``: ``"kfac"`` for the low-rank
+        projectors built on training rows of a network with the structured Jacobian
+        backend (``True`` on others), off for the subset and optimal projectors.
     fallback : {"evidence", "weight_norm"}, default="evidence"
         The objective behind ``hyper="auto"``.
     """
@@ -448,8 +451,10 @@ class SubspacePosterior(GLMPosterior):
                              f"{PROJECTORS}")
         residual_auto = self.residual_correction == "auto"
         if residual_auto:
-            self.residual_correction = (self.projector in ("lowrank-kfac", "lowrank-diag")
-                                        and self.subspace_X is None)
+            lowrank = (self.projector in ("lowrank-kfac", "lowrank-diag")
+                       and self.subspace_X is None)
+            self.residual_correction = (
+                ("kfac" if supports_kfac_complement(data.lin) else True) if lowrank else False)
         self._kfac_result = None
         V = self._directions(data)
         self.projector_rows = V
@@ -539,8 +544,8 @@ class SubspacePosterior(GLMPosterior):
         s2 = self.noise_variance if self._regression else 1.0
         excess = self.prior_variance * outside / s2 / (self.n_seen * data.n_outputs)
         self.residual_excess = float(excess)
-        if excess <= RESIDUAL_TOL:
-            return
+        if excess <= RESIDUAL_TOL or self.residual_correction == "kfac":
+            return  # the KFAC complement is shrunk by the data: nothing is inflated
         what = ("the noise variance" if self._regression else "the curvature")
         msg = (f"the subspace (subspace_dim_={self.features.dim}) misses directions the "
                f"training data determine: the prior variance outside it would add "
