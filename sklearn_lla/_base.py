@@ -27,7 +27,6 @@ import numpy as np
 import torch
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin, clone
 from sklearn.utils import check_random_state
-from torch import nn
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import (
@@ -36,6 +35,7 @@ from sklearn.utils.validation import (
     check_is_fitted,
     validate_data,
 )
+from torch import nn
 
 from ._conformal import ConformalClassifierMixin, ConformalRegressorMixin, calibrate_held_out
 from ._core import dask as _dask
