@@ -515,7 +515,7 @@ class PredictionIntervalDisplay:
     ...     [1.0, 2.0, 3.0, 4.0], [1.1, 2.5, 2.9, 3.0], lower=[0.5, 2.2, 2.0, 2.5],
     ...     upper=[1.5, 2.8, 3.5, 3.5], confidence=0.9, plot=False)
     >>> disp.coverage_, round(disp.mean_width_, 3)
-    (0.5, 0.775)
+    (0.5, 1.025)
     """
 
     _REF_LABEL = "true = predicted"
