@@ -315,3 +315,54 @@ def test_validation_data_shape_messages(reg_data, reg_net, clf_data, clf_net):
     with pytest.raises(ValueError, match=r"validation_data.*\(n_val, 2\)"):
         LLAClassifier(clf_net).fit(clf_data.X, clf_data.y,
                                    validation_data=(clf_data.X[:10, :1], clf_data.y[:10]))
+
+
+# ---------------------------------------------------------------------------------
+# Searches: the grid's edge
+# ---------------------------------------------------------------------------------
+
+
+def test_check_grid_edges_on_a_search_that_deletes_the_posterior(reg_data, reg_net):
+    """Scored on the rows the network fitted, the NLL is won by the grid's floor: the
+    check says so and points to rows the network did not see."""
+    from sklearn_lla._core.hyper import HyperparameterWarning
+    from sklearn_lla.model_selection import check_grid_edges
+
+    search = GridSearchCV(LLARegressor(reg_net), {"prior_variance": [1e-2, 0.1, 1.0, 10.0]},
+                          scoring=neg_nll_scorer, cv=3).fit(reg_data.X, reg_data.y)
+    assert search.best_params_["prior_variance"] == 1e-2
+    with pytest.warns(HyperparameterWarning,
+                      match=r"prior_variance.*lower edge.*did not see"):
+        assert check_grid_edges(search) == {"prior_variance": "lower"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert check_grid_edges(search, warn=False) == {"prior_variance": "lower"}
+
+
+def test_check_grid_edges_inside_upper_and_non_numeric():
+    from types import SimpleNamespace
+
+    from sklearn.linear_model import Ridge
+
+    from sklearn_lla._core.hyper import HyperparameterWarning
+    from sklearn_lla.model_selection import check_grid_edges
+
+    def fake(best, grid, kernel=("a", "b")):
+        params = [{"alpha": a, "kernel": k} for a in grid for k in kernel]
+        return SimpleNamespace(cv_results_={"params": params},
+                               best_params_={"alpha": best, "kernel": kernel[0]})
+
+    grid = [0.1, 1.0, 10.0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert check_grid_edges(fake(1.0, grid)) == {}  # inside; "kernel" is no range
+        assert check_grid_edges(fake(10.0, [1.0, 10.0])) == {}  # two values: no range
+    with pytest.warns(HyperparameterWarning, match=r"alpha.*upper edge.*Extend the grid"):
+        assert check_grid_edges(fake(10.0, grid)) == {"alpha": "upper"}
+    with pytest.warns(HyperparameterWarning) as record:
+        assert check_grid_edges(fake(0.1, grid)) == {"alpha": "lower"}
+    assert "did not see" not in str(record[0].message)  # the prior's advice is for priors
+    with pytest.raises(AttributeError, match="not fitted"):
+        check_grid_edges(GridSearchCV(Ridge(), {"alpha": [1.0]}))
+    with pytest.raises(AttributeError, match="best_params_"):
+        check_grid_edges(SimpleNamespace(cv_results_={"params": []}))
