@@ -169,9 +169,10 @@ def _check_target_scale(lin, X, y, estimator):
 
 
 class _MeanStd(tuple):
-    """``(mean, std)`` from ``predict(X, return_std=True)``: a plain tuple, with a clear
-    error for code that expects one array (sklearn's ``TransformedTargetRegressor``
-    reads ``.ndim`` of what ``predict`` returns)."""
+    """``(mean, std)`` / ``(mean, cov)`` from ``predict(X, return_std=True)`` /
+    ``return_cov=True``: a plain tuple, with a clear error for code that expects one
+    array (sklearn's ``TransformedTargetRegressor`` reads ``.ndim`` of what ``predict``
+    returns)."""
 
     __slots__ = ()
 
@@ -179,10 +180,10 @@ class _MeanStd(tuple):
         if name.startswith("__"):
             raise AttributeError(name)
         raise AttributeError(
-            f"predict(X, return_std=True) returned a (mean, std) tuple, which has no "
-            f"attribute {name!r}: the caller expected one array. "
-            "sklearn.compose.TransformedTargetRegressor cannot carry a std through its "
-            "transformer; use sklearn_lla.compose.TransformedTargetRegressor (the same "
+            f"predict(X, return_std=True) (or return_cov=True) returned a (mean, std) (or "
+            f"(mean, cov)) tuple, which has no attribute {name!r}: the caller expected one "
+            "array. sklearn.compose.TransformedTargetRegressor cannot carry a std through "
+            "its transformer; use sklearn_lla.compose.TransformedTargetRegressor (the same "
             "parameters), which maps the std through an affine transformer such as "
             "StandardScaler")
 
@@ -566,7 +567,7 @@ class LaplaceRegressorMixin(RegressorMixin, ConformalRegressorMixin, _LaplaceBas
             per = torch.stack([cov[:, c, :, c] for c in range(C)], dim=-1)
             per = per + self.noise_variance_ * torch.eye(n, dtype=cov.dtype)[..., None]
             per = per.numpy()
-            return self._shape(mean.numpy()), (per[..., 0] if self._y_1d else per)
+            return _MeanStd((self._shape(mean.numpy()), per[..., 0] if self._y_1d else per))
         n, C = len(X), self.n_outputs_
         mean = np.empty((n, C))
         if not return_std:  # the predictive mean is the network's output: one forward

@@ -225,8 +225,10 @@ def test_transformed_target_regressor_maps_the_uncertainty(reg_data, scaled_prob
 def test_sklearn_ttr_return_std_says_what_to_use(reg_data, scaled_problem):
     net, y_raw = scaled_problem
     ttr = SkTTR(regressor=LLARegressor(net), transformer=StandardScaler()).fit(reg_data.X, y_raw)
-    with pytest.raises(AttributeError, match=r"sklearn_lla\.compose\.TransformedTargetRegressor"):
-        ttr.predict(reg_data.X_test, return_std=True)
+    for kw in ({"return_std": True}, {"return_cov": True}):
+        with pytest.raises(AttributeError,
+                           match=r"sklearn_lla\.compose\.TransformedTargetRegressor"):
+            ttr.predict(reg_data.X_test, **kw)
     # the (mean, std) pair stays a tuple for everything else
     mean, std = LLARegressor(net).fit(reg_data.X, (y_raw - 150) / 40).predict(
         reg_data.X_test, return_std=True)
