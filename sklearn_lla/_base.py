@@ -165,7 +165,7 @@ def _check_target_scale(lin, X, y, estimator):
         "standardised targets: wrap the estimator in "
         "sklearn_lla.compose.TransformedTargetRegressor(..., transformer=StandardScaler())), "
         "that the network's output is the regression output (not logits or a feature "
-        "layer), and that X is preprocessed as for training", UserWarning, stacklevel=4)
+        "layer), and that X is preprocessed as for training", UserWarning, stacklevel=5)
 
 
 class _MeanStd(tuple):
@@ -276,8 +276,6 @@ class _LaplaceBase(BaseEstimator, metaclass=abc.ABCMeta):
             ) from exc
         C = lin.n_outputs(to_batch(X, slice(0, 1), lin.dtype, device))
         likelihood, classes, ytr = self._likelihood(C, ytr, classes, resolved, pretrained)
-        if self._task == "regression" and pretrained:
-            _check_target_scale(lin, X, y_enc, self)
         generator = torch.Generator().manual_seed(seed)
         kw = dict(batch_size=self.batch_size, verbose=self.verbose)
         y_full = ytr if train_idx is None else y_enc  # encoded targets of every row of X
@@ -300,6 +298,9 @@ class _LaplaceBase(BaseEstimator, metaclass=abc.ABCMeta):
         data = FitData(lin, likelihood, X, yt, generator=generator, validation=validation,
                        index=train_idx, **kw)
         posterior = self._make_posterior(data).fit(data)
+        if self._task == "regression" and pretrained:
+            # after the fit: bad rows have been reported there, with their own message
+            _check_target_scale(lin, X, y_enc, self)
         if validation is not None and posterior.hyper_strategy != "validation":
             # the one use of held-out rows after fit: calibrate the noise (regression) or
             # a temperature (classification) on them, keeping the posterior covariance
