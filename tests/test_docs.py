@@ -337,3 +337,67 @@ def test_examples_run_under_sphinx_gallery(example):
         f"{example.name} uses __file__ outside try/except NameError (lines {bare}); "
         "sphinx-gallery does not define it: see examples/quickstart.py for the pattern"
     )
+
+
+# ---------------------------------------------------------------------------------
+# Numbers the docs cite for limits and defaults equal the code's constants
+# ---------------------------------------------------------------------------------
+
+
+def _cited_numbers(text, pattern):
+    """Every number captured by ``pattern`` in ``text`` (``10,000``, ``10{,}000``)."""
+    return [int(re.sub(r"[^0-9]", "", m)) for m in re.findall(pattern, text)]
+
+
+#: (file, pattern capturing exact LLA's size limit, fewest citations expected).
+_EXACT_LIMIT_CITATIONS = (
+    ("README.md", r"min\(P, N x outputs\) <= ([0-9][0-9,]*)", 1),
+    ("docs/choosing-a-method.md", r"\\min\(P, NC\) \\le ([0-9][0-9{},]*)", 2),
+    ("docs/exact.md", r"above ([0-9][0-9,{}]*) the estimator", 1),
+    ("docs/budgets.md", r"above its ([0-9][0-9,]*) limit", 1),
+)
+
+
+@pytest.mark.parametrize("path, pattern, at_least", _EXACT_LIMIT_CITATIONS,
+                         ids=[c[0] for c in _EXACT_LIMIT_CITATIONS])
+def test_docs_cite_the_exact_size_limit_of_the_code(path, pattern, at_least):
+    from sklearn_lla._posteriors.exact import MAX_EXACT_DIM
+
+    cited = _cited_numbers((ROOT / path).read_text(), pattern)
+    assert len(cited) >= at_least, f"{path} no longer cites exact LLA's limit as expected"
+    assert set(cited) == {MAX_EXACT_DIM}, (
+        f"{path} cites exact LLA's size limit as {sorted(set(cited))}; the code's "
+        f"MAX_EXACT_DIM is {MAX_EXACT_DIM}")
+
+
+def test_no_page_cites_another_exact_limit():
+    """Any ``min(P, NC) <= N`` anywhere in the docs is the code's limit."""
+    from sklearn_lla._posteriors.exact import MAX_EXACT_DIM
+
+    pattern = r"min\(P, ?(?:NC|N ?C|N x outputs)\) ?(?:<=|\\le) ?([0-9][0-9,{}]*)"
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        for n in _cited_numbers(page.read_text(), pattern):
+            assert n == MAX_EXACT_DIM, f"{page.name} cites min(P, NC) <= {n}"
+
+
+def test_docs_cite_the_conformal_row_counts_of_the_code():
+    """predict_interval / predict_set and docs/conformal.md say how many calibration
+    rows each confidence needs (9 for 0.9, ...): conformal_rank's own answer."""
+    from sklearn_lla._conformal import conformal_rank
+
+    def needed(confidence):
+        return next(n for n in range(1, 10_000) if _rank_ok(conformal_rank, n, confidence))
+
+    text = (ROOT / "sklearn_lla" / "_conformal.py").read_text()
+    cited = re.findall(r"\((\d+) rows for 0\.9, (\d+) for 0\.95, (\d+) for 0\.99\)", text)
+    assert cited, "predict_interval's docstring no longer cites the row counts"
+    for row in cited:
+        assert tuple(int(v) for v in row) == (needed(0.9), needed(0.95), needed(0.99))
+
+
+def _rank_ok(conformal_rank, n, confidence):
+    try:
+        conformal_rank(n, confidence)
+    except ValueError:
+        return False
+    return True

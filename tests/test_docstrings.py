@@ -74,6 +74,9 @@ PUBLIC_MODULES = (
     "sklearn_lla.plotting",
     "sklearn_lla.diagnostics",
     "sklearn_lla.kernels",
+    "sklearn_lla.pipeline",
+    "sklearn_lla.compose",
+    "sklearn_lla.model_selection",
 )
 
 _LAYOUT = {"GL01", "GL02", "GL03", "GL05", "GL06", "GL07", "GL08", "GL09", "GL10"}

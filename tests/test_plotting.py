@@ -1,6 +1,7 @@
 """Tests of sklearn_lla.plotting: arrays against sklearn_lla.metrics, artists, errors."""
 
 import importlib
+import pickle
 import sys
 import warnings
 
@@ -24,6 +25,7 @@ from sklearn_lla.metrics import (  # noqa: E402
 )
 from sklearn_lla.plotting import (  # noqa: E402
     CalibrationCurveDisplay,
+    PredictionIntervalDisplay,
     PredictiveBandDisplay,
     ReliabilityDisplay,
 )
@@ -302,6 +304,102 @@ def test_reliability_from_estimator_needs_predict_proba(regression):
     reg, X, y = regression
     with pytest.raises(AttributeError, match="predict_proba"):
         ReliabilityDisplay.from_estimator(reg, X, y)
+
+
+def test_two_reliability_diagrams_on_one_axes():
+    """Overlaid: step lines (flat over each bin, broken at empty bins), or bars side by
+    side in slots; the histograms share one twin axes, each in its display's slot."""
+    y1, p1 = _proba_predictions(seed=0)
+    y2, p2 = _proba_predictions(seed=1)
+    first = ReliabilityDisplay.from_predictions(y1, p1, n_bins=10, kind="step", name="A",
+                                                bar_position=(0, 2))
+    second = ReliabilityDisplay.from_predictions(y2, p2, n_bins=10, kind="step", name="B",
+                                                 bar_position=(1, 2), ax=first.ax_)
+    ax = first.ax_
+    assert second.ax_ is ax and second.hist_ax_ is first.hist_ax_
+    assert len([a for a in ax.figure.axes if a is not ax]) == 1  # one twin, not two
+    for disp, (y, p) in ((first, (y1, p1)), (second, (y2, p2))):
+        _, acc, counts = reliability_curve(y, p, 10)
+        data = disp.line_.get_data()
+        values, edges = data.values, data.edges
+        np.testing.assert_allclose(edges, np.arange(11) / 10)
+        np.testing.assert_array_equal(np.isnan(values), counts == 0)
+        np.testing.assert_allclose(values[counts > 0], acc[counts > 0])
+    assert first.line_.get_edgecolor() != second.line_.get_edgecolor()
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels.count("perfectly calibrated") == 1
+    assert f"A (ECE = {first.ece:.3f})" in labels and f"B (ECE = {second.ece:.3f})" in labels
+
+    # bars in two slots of each bin: side by side, never on top of each other
+    a = ReliabilityDisplay.from_predictions(y1, p1, n_bins=10, bar_position=(0, 2))
+    b = ReliabilityDisplay.from_predictions(y2, p2, n_bins=10, bar_position=(1, 2), ax=a.ax_)
+    spans = [(r.get_x(), r.get_x() + r.get_width()) for r in [*a.bars_, *b.bars_]]
+    spans.sort()
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert start >= end - 1e-12
+    assert all(r.get_width() == pytest.approx(0.05) for r in a.bars_)
+    np.testing.assert_allclose(sorted({round(r.get_x() % 0.1, 9) for r in b.bars_}), [0.05])
+    hist_x = sorted(r.get_x() for r in [*a.hist_, *b.hist_])
+    assert len(set(np.round(hist_x, 9))) == 20  # 10 bins x 2 slots, no two at one place
+    top = max(r.get_height() for r in [*a.hist_, *b.hist_])
+    assert a.hist_ax_.get_ylim()[1] == pytest.approx(4 * top)
+    with pytest.raises(ValueError, match="bar_position"):
+        a.plot(bar_position=(2, 2))
+
+
+# ---------------------------------------------------------------------------
+# PredictionIntervalDisplay
+# ---------------------------------------------------------------------------
+
+
+def test_prediction_interval_from_predictions():
+    y, mean, std = _gaussian_predictions(n=200)
+    from scipy.stats import norm
+
+    disp = PredictionIntervalDisplay.from_predictions(y, mean, std=std, confidence=0.8,
+                                                      name="net", subsample=50,
+                                                      random_state=0)
+    z = norm.ppf(0.9)
+    lo, hi = mean - z * std, mean + z * std
+    assert disp.coverage_ == pytest.approx(np.mean((lo <= y) & (y <= hi)))
+    assert disp.mean_width_ == pytest.approx(np.mean(hi - lo))
+    np.testing.assert_allclose(disp.lower, lo)
+    assert len(disp.scatter_.get_offsets()) == 50 and len(disp.intervals_.get_segments()) == 50
+    for seg in disp.intervals_.get_segments():  # vertical at the prediction
+        assert seg[0, 0] == seg[1, 0]
+    labels = [t.get_text() for t in disp.ax_.get_legend().get_texts()]
+    assert f"net, 80% gaussian interval: coverage {disp.coverage_:.3f}" in labels
+    assert "true = predicted" in labels
+    # the colours: green where covered, red where missed
+    seg_x = np.array([s[0, 0] for s in disp.intervals_.get_segments()])
+    colors = disp.intervals_.get_colors()
+    rows = [int(np.flatnonzero(mean == x)[0]) for x in seg_x]
+    covered = (lo[rows] <= y[rows]) & (y[rows] <= hi[rows])
+    assert covered.any() and (~covered).any()
+    green = matplotlib.colors.to_rgba("tab:green", 0.5)
+    np.testing.assert_allclose(colors[covered], np.tile(green, (covered.sum(), 1)))
+    with pytest.raises(ValueError, match="either the bounds"):
+        PredictionIntervalDisplay.from_predictions(y, mean, lower=lo, upper=hi, std=std)
+    with pytest.raises(ValueError, match="lower must not exceed upper"):
+        PredictionIntervalDisplay.from_predictions(y, mean, lower=hi, upper=lo)
+    with pytest.raises(ValueError, match="subsample"):
+        disp.plot(subsample=-1)
+
+
+def test_prediction_interval_from_estimator(regression):
+    reg, X, y = regression
+    gauss = PredictionIntervalDisplay.from_estimator(reg, X, y, confidence=0.9)
+    assert gauss.kind == "gaussian"  # not conformalized
+    with pytest.raises(Exception, match="not conformalized"):
+        PredictionIntervalDisplay.from_estimator(reg, X, y, interval="conformal", plot=False)
+    cal = pickle.loads(pickle.dumps(reg)).conformalize(X[:20], y[:20])
+    disp = PredictionIntervalDisplay.from_estimator(cal, X[20:], y[20:], confidence=0.8)
+    lo, hi = cal.predict_interval(X[20:], confidence=0.8)
+    assert disp.kind == "conformal"
+    np.testing.assert_allclose(disp.lower, lo)
+    np.testing.assert_allclose(disp.upper, hi)
+    assert disp.estimator_name == "LLARegressor"
+    np.testing.assert_allclose(disp.y_pred, cal.predict(X[20:]))
 
 
 # ---------------------------------------------------------------------------

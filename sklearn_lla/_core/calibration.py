@@ -20,7 +20,8 @@ latent covariance ``S(x)`` the posterior produced and move one scalar:
 Each is the minimiser of the held-out NLL over a bounded interval of ``log s2`` /
 ``log T`` (scipy's bounded Brent search on a smooth 1-D function), reported with a
 :class:`~sklearn_lla._core.hyper.HyperparameterWarning` when it ends at a bound (the
-temperature: at its upper bound; its lower end is the cap above, recorded in the trace).
+temperature: at its upper bound; its lower end is the cap above, recorded in the trace,
+and warns only where the held-out NLL there is still clearly above the network's own).
 """
 
 from __future__ import annotations
@@ -51,6 +52,13 @@ TEMPERATURE_RANGE = (1e-2, 1e2)
 
 #: Folds of the out-of-fold check that keeps a fitted temperature only where it helps.
 CALIBRATION_FOLDS = 5
+
+#: A temperature at its sharpening limit warns when the held-out NLL there still
+#: exceeds the network's own (softmax / sigmoid of its logits) by more than
+#: ``max(SHARPENING_GAP_ABS, SHARPENING_GAP_REL * network's NLL)`` per row: the cap
+#: then stops a calibration that the held-out rows ask to go further.
+SHARPENING_GAP_ABS = 0.005
+SHARPENING_GAP_REL = 0.1
 
 
 def held_out_predictive(posterior, validation, *, max_rows=CALIBRATION_ROWS,
@@ -177,13 +185,13 @@ def calibrate_noise(mean, cov, y, *, warn=True):
     s2 = math.exp(u)
     if warn and at_edge:
         if u < 0.5 * (math.log(lo) + math.log(hi)):
-            msg = ("the noise variance calibrated on the held-out rows is at the lower bound "
+            msg = ("noise_variance_, calibrated on the held-out rows, is at the lower bound "
                    f"{lo:.3g} of its range: the posterior's latent variance alone already "
                    "exceeds the network's squared residuals there, so the prior variance is "
-                   "too broad for these rows; pass a smaller prior_variance if the intervals "
-                   "are too wide")
+                   "too broad for these rows; pass a prior_variance below prior_variance_ if "
+                   "the intervals are too wide")
         else:
-            msg = (f"the noise variance calibrated on the held-out rows is at the upper bound "
+            msg = (f"noise_variance_, calibrated on the held-out rows, is at the upper bound "
                    f"{hi:.3g} of its range (100 x the network's mean squared residual there); "
                    "check that the held-out targets are on the training targets' scale")
         warnings.warn(msg, HyperparameterWarning, stacklevel=3)
@@ -249,7 +257,8 @@ def calibrate_temperature(likelihood, mean, cov, y, *, eps=None, warn=True):
         Fixed standard normal draws for ``link_approx="mc"`` (common random numbers
         make the NLL a smooth function of ``T``).
     warn : bool, default=True
-        Warn when the optimum sits on the upper bound of the search interval.
+        Warn when the optimum sits on the upper bound of the search interval, or on
+        the sharpening limit with a held-out NLL still above the network's own.
 
     Returns
     -------
@@ -301,13 +310,30 @@ def calibrate_temperature(likelihood, mean, cov, y, *, eps=None, warn=True):
                       f"{hi:g} of its range: the predictive is near uniform; check that the "
                       "held-out labels are the network's classes", HyperparameterWarning,
                       stacklevel=3)
-    # No warning at the lower end: it is a cap by design (the network's own sharpness,
-    # on average and per row), reached whenever the held-out rows have (almost) no
-    # errors; the trace records it (``"at_sharpening_limit"``).
-    trace = {"temperature": np.exp(grid), "score": vals, "best_score": nll_at(T, everything) / n,
+    # The lower end is a cap by design (the network's own sharpness, on average and
+    # per row), reached whenever the held-out rows have (almost) no errors; the trace
+    # records it (``"at_sharpening_limit"``). It warns only when the predictive there is
+    # still clearly worse on the held-out rows than the network alone: the posterior's
+    # spread is then wider than those rows support, which no temperature may undo.
+    at_limit = bool(u - math.log(t_min) < 1e-3)
+    with torch.no_grad():
+        raw_nll = float(-likelihood.with_temperature(1.0).log_predictive(
+            mean, torch.zeros_like(cov), y, eps=eps).mean())
+    best = nll_at(T, everything) / n
+    if warn and helps and at_limit and \
+            best - raw_nll > max(SHARPENING_GAP_ABS, SHARPENING_GAP_REL * raw_nll):
+        warnings.warn(
+            f"temperature_ ended at its sharpening limit {T:.3g} (the predictive as sharp as "
+            f"the network allows) with the held-out NLL there, {best:.4f}, still above the "
+            f"network's own, {raw_nll:.4f}, on these {n} rows: the posterior's spread is wider "
+            "than the held-out rows support. Pass a prior_variance below the fitted "
+            "prior_variance_ (try a tenth; compare held-out NLL and off-data behaviour), or "
+            "check that the held-out rows come from the training distribution",
+            HyperparameterWarning, stacklevel=3)
+    trace = {"temperature": np.exp(grid), "score": vals, "best_score": best,
              "fitted_temperature": math.exp(u), "kept": bool(helps),
              "out_of_fold_nll": oof_fit / n, "out_of_fold_nll_at_1": oof_one / n,
              "score_at_1": nll_at(1.0, everything) / n, "min_temperature": t_min,
-             "raw_confidence": raw_conf, "n_rows": n,
-             "at_sharpening_limit": bool(u - math.log(t_min) < 1e-3)}
+             "raw_confidence": raw_conf, "n_rows": n, "network_nll": raw_nll,
+             "at_sharpening_limit": at_limit}
     return T, trace

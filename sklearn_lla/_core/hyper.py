@@ -480,12 +480,13 @@ class HeldOutNoise:
         s0 = np.array([prior_of(v) for v in s2])
         if at_edge and warn:
             where = "lower" if i == 0 else "upper"
-            msg = (f"the noise variance calibrated on the held-out rows is at the {where} edge "
+            msg = (f"noise_variance_, calibrated on the held-out rows, is at the {where} edge "
                    f"of its grid ({s2[i]:.3g}, {self.noise_grid[0 if i == 0 else -1]:g} x the "
                    "network's mean squared residual there)")
             msg += ("; the posterior's latent variance alone over-explains the held-out "
-                    "residuals: pass a smaller prior_variance if the intervals are too wide"
-                    if i == 0 else "; check that the held-out targets are on the scale of y")
+                    "residuals: pass a prior_variance below prior_variance_ if the intervals "
+                    "are too wide" if i == 0 else
+                    "; check that the held-out targets are on the scale of y")
             warnings.warn(msg, HyperparameterWarning, stacklevel=3)
         trace = {"prior_variance": s0, "noise_variance": s2, "score": sc,
                  "best_score": float(sc[i]), "mse_held_out": float(base_noise), "scale": None}
@@ -508,10 +509,12 @@ class HeldOutNoise:
             c, sc, i = _refine(c, sc, i, by_scale)
         elif i == 0 and warn:
             warnings.warn(
-                f"the held-out rows call for a scale of the objective's variances below "
-                f"{SCALE_GRID[0]:g} times the largest their residuals allow: the posterior's "
-                "latent variance alone over-explains them (they may not come from "
-                "the training data's distribution, or their targets are not on the scale of y)",
+                f"noise_variance_ and prior_variance_ are the objective's pair scaled by the "
+                f"lowest candidate: the held-out rows call for a scale below {SCALE_GRID[0]:g} "
+                "times the largest their residuals allow, as the posterior's latent variance "
+                "alone over-explains them. Check that the held-out rows come from the training "
+                "data's distribution and that their targets are on the scale of y; otherwise "
+                "pass a prior_variance below prior_variance_",
                 HyperparameterWarning, stacklevel=3)
         trace = {"prior_variance": a0 * c, "noise_variance": a2 * c, "score": sc,
                  "best_score": float(sc[i]), "mse_held_out": float(base_noise),

@@ -1,21 +1,4 @@
-"""Plotting displays for predictive uncertainty, in scikit-learn's display style.
-
-Each display (like :class:`sklearn.metrics.RocCurveDisplay`) stores the computed
-arrays as attributes, draws them with ``plot(ax=None, ...)`` (which returns the
-display with the matplotlib artists as ``ax_``, ``figure_``, ``line_``, ...), and is
-built with the classmethods ``from_estimator`` and ``from_predictions``:
-
-- :class:`PredictiveBandDisplay`: predictive mean and +-k std bands of a regressor
-  with 1-D inputs, with the training points;
-- :class:`CalibrationCurveDisplay`: observed coverage ``gamma(alpha)`` of the
-  central prediction intervals against ``alpha`` (the curve behind the CQM);
-- :class:`ReliabilityDisplay`: accuracy against confidence of a classifier in
-  equal-width confidence bins (the reliability diagram behind the ECE).
-
-The numbers come from :mod:`sklearn_lla.metrics`. matplotlib is an optional
-dependency (``pip install sklearn-lla[plot]``): this module imports without it, and
-``plot`` raises an :class:`ImportError` saying how to install it.
-"""
+"""Regression displays: predictive bands, the CQM calibration curve, prediction intervals."""
 
 from __future__ import annotations
 
@@ -23,83 +6,17 @@ import numbers
 
 import numpy as np
 
-from .metrics import (
-    calibration_curve_regression,
-    centered_quantile_metric,
-    expected_calibration_error,
-    reliability_curve,
+from ..metrics import calibration_curve_regression, centered_quantile_metric
+from ._common import (
+    _check_n_std,
+    _estimator_name,
+    _get_ax,
+    _legend_has,
+    _one_feature,
+    _select_target,
 )
 
-__all__ = ["PredictiveBandDisplay", "CalibrationCurveDisplay", "ReliabilityDisplay"]
-
-#: How to install the optional plotting dependency.
-_INSTALL_HINT = "pip install sklearn-lla[plot]"
-
-
-def _pyplot(caller):
-    """Import ``matplotlib.pyplot`` or raise an ImportError naming the ``plot`` extra."""
-    try:
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError(
-            f"{caller} requires matplotlib, an optional dependency of sklearn-lla; "
-            f"install it with `{_INSTALL_HINT}` (or `pip install matplotlib`)"
-        ) from exc
-    return plt
-
-
-def _get_ax(ax, caller):
-    plt = _pyplot(caller)
-    if ax is None:
-        _, ax = plt.subplots()
-    return ax
-
-
-def _estimator_name(estimator):
-    return type(estimator).__name__
-
-
-def _legend_has(ax, label):
-    legend = ax.get_legend()
-    return legend is not None and any(t.get_text() == label for t in legend.get_texts())
-
-
-def _check_n_std(n_std):
-    values = np.atleast_1d(np.asarray(n_std, dtype=np.float64))
-    if values.ndim != 1 or values.size == 0 or not np.all(np.isfinite(values)) or np.any(
-        values <= 0
-    ):
-        raise ValueError(f"n_std must be a positive number or a list of them; got {n_std!r}")
-    return tuple(sorted(float(v) for v in values))
-
-
-def _select_target(arr, target, name):
-    """A 1-D view of ``arr`` of shape (n,) or the column ``target`` of shape (n, t)."""
-    arr = np.asarray(arr, dtype=np.float64)
-    if arr.ndim == 2:
-        if not isinstance(target, numbers.Integral) or not -arr.shape[1] <= target < arr.shape[1]:
-            raise ValueError(
-                f"target={target!r} is not a column of {name}, which has {arr.shape[1]} outputs"
-            )
-        return arr[:, target]
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must have shape (n,) or (n, n_outputs); got shape {arr.shape}")
-    return arr
-
-
-def _one_feature(X, name="X"):
-    """The single input column of ``X`` (shape (n,) or (n, 1)) as a float array."""
-    arr = np.asarray(X, dtype=np.float64)
-    if arr.ndim == 2 and arr.shape[1] == 1:
-        arr = arr[:, 0]
-    if arr.ndim != 1:
-        raise ValueError(
-            f"{name} must have one input feature, shape (n,) or (n, 1); got shape {arr.shape}. "
-            "PredictiveBandDisplay plots 1-D inputs only"
-        )
-    if arr.size == 0 or not np.all(np.isfinite(arr)):
-        raise ValueError(f"{name} must be non-empty and finite")
-    return arr
+__all__ = ["PredictiveBandDisplay", "CalibrationCurveDisplay", "PredictionIntervalDisplay"]
 
 
 class PredictiveBandDisplay:
@@ -524,42 +441,63 @@ class CalibrationCurveDisplay:
         return disp.plot(ax=ax, **kwargs) if plot else disp
 
 
-class ReliabilityDisplay:
-    """Reliability diagram of a classifier: accuracy against confidence, with the ECE.
+def _interval_arrays(y_true, y_pred, lower, upper, target):
+    arrays = [_select_target(a, target, n) for a, n in
+              ((y_true, "y_true"), (y_pred, "y_pred"), (lower, "lower"), (upper, "upper"))]
+    n = len(arrays[0])
+    for a, name in zip(arrays, ("y_true", "y_pred", "lower", "upper")):
+        if len(a) != n:
+            raise ValueError(f"{name} has {len(a)} rows but y_true has {n}")
+        if not np.all(np.isfinite(a)):
+            raise ValueError(f"{name} must be finite")
+    if n == 0:
+        raise ValueError("y_true is empty")
+    if np.any(arrays[2] > arrays[3]):
+        raise ValueError("lower must not exceed upper")
+    return arrays
 
-    The confidence of a prediction is its largest class probability. Predictions are
-    put in ``n_bins`` equal-width confidence bins over ``[0, 1]``
-    (:func:`sklearn_lla.metrics.reliability_curve`); a calibrated classifier has the
-    accuracy of each bin equal to its mean confidence (the diagonal). The legend
-    shows the ECE (:func:`sklearn_lla.metrics.expected_calibration_error` with the
-    same bins).
+
+class PredictionIntervalDisplay:
+    """True against predicted values of a regressor, each with its prediction interval.
+
+    The regression counterpart of :class:`sklearn.metrics.PredictionErrorDisplay`
+    (``kind="actual_vs_predicted"``) for any number of input features: every point
+    is drawn at (predicted, true), with its interval as a vertical segment around the
+    prediction (green where it holds the true value, red where it misses), and the
+    diagonal ``true == predicted``. The legend gives the confidence and the
+    coverage, the fraction of all the rows whose interval holds the true value (the
+    plot may show a subsample).
 
     Parameters
     ----------
-    bin_confidence : ndarray of shape (n_bins,)
-        Mean confidence in each bin (NaN for empty bins).
-    bin_accuracy : ndarray of shape (n_bins,)
-        Accuracy in each bin (NaN for empty bins).
-    bin_counts : ndarray of shape (n_bins,)
-        Number of predictions in each bin.
-    ece : float
-        Expected calibration error over these bins.
+    y_true : ndarray of shape (n_samples,)
+        True values.
+    y_pred : ndarray of shape (n_samples,)
+        Predictions (the predictive mean).
+    lower : ndarray of shape (n_samples,)
+        Lower bounds of the intervals.
+    upper : ndarray of shape (n_samples,)
+        Upper bounds of the intervals.
+    confidence : float, default=None
+        The intervals' nominal confidence, for the legend.
+    kind : str, default=None
+        How the intervals were made (``"conformal"``, ``"gaussian"``), for the
+        legend.
     estimator_name : str, default=None
         Name used in the legend.
 
     Attributes
     ----------
-    bars_ : matplotlib.container.BarContainer or None
-        The accuracy bars (``kind="bar"``).
+    coverage_ : float
+        Fraction of the rows whose interval holds ``y_true``.
+    mean_width_ : float
+        Mean width ``upper - lower``.
+    scatter_ : matplotlib.collections.PathCollection
+        The (predicted, true) points drawn.
+    intervals_ : matplotlib.collections.LineCollection
+        The intervals drawn.
     line_ : matplotlib.lines.Line2D or None
-        The accuracy points (``kind="line"``).
-    ref_line_ : matplotlib.lines.Line2D or None
         The diagonal, if this call drew it.
-    hist_ : matplotlib.container.BarContainer or None
-        The histogram of confidences (fraction of predictions per bin; the tallest
-        bar reaches a quarter of the height).
-    hist_ax_ : matplotlib.axes.Axes or None
-        The twin axes (right-hand scale) holding ``hist_``.
     ax_ : matplotlib.axes.Axes
         Axes with the plot.
     figure_ : matplotlib.figure.Figure
@@ -567,30 +505,37 @@ class ReliabilityDisplay:
 
     See Also
     --------
-    sklearn_lla.metrics.reliability_curve : The binned accuracies and confidences.
-    sklearn_lla.metrics.expected_calibration_error : The ECE.
+    sklearn.metrics.PredictionErrorDisplay : The same plot without intervals.
+    CalibrationCurveDisplay : Coverage of the central intervals at every level.
 
     Examples
     --------
-    >>> from sklearn_lla.plotting import ReliabilityDisplay
-    >>> disp = ReliabilityDisplay.from_predictions(
-    ...     [0, 1], [[0.9, 0.1], [0.8, 0.2]], n_bins=2, plot=False)
-    >>> disp.bin_counts.tolist(), round(disp.ece, 6)
-    ([0, 2], 0.35)
+    >>> from sklearn_lla.plotting import PredictionIntervalDisplay
+    >>> disp = PredictionIntervalDisplay.from_predictions(
+    ...     [1.0, 2.0, 3.0, 4.0], [1.1, 2.5, 2.9, 3.0], lower=[0.5, 2.2, 2.0, 2.5],
+    ...     upper=[1.5, 2.8, 3.5, 3.5], confidence=0.9, plot=False)
+    >>> disp.coverage_, round(disp.mean_width_, 3)
+    (0.5, 1.025)
     """
 
-    _REF_LABEL = "perfectly calibrated"
+    _REF_LABEL = "true = predicted"
 
-    def __init__(self, *, bin_confidence, bin_accuracy, bin_counts, ece, estimator_name=None):
-        self.bin_confidence = bin_confidence
-        self.bin_accuracy = bin_accuracy
-        self.bin_counts = bin_counts
-        self.ece = ece
+    def __init__(self, *, y_true, y_pred, lower, upper, confidence=None, kind=None,
+                 estimator_name=None):
+        self.y_true = y_true
+        self.y_pred = y_pred
+        self.lower = lower
+        self.upper = upper
+        self.confidence = confidence
+        self.kind = kind
         self.estimator_name = estimator_name
+        y, lo, hi = (np.asarray(a, dtype=np.float64) for a in (y_true, lower, upper))
+        self.coverage_ = float(np.mean((lo <= y) & (y <= hi)))
+        self.mean_width_ = float(np.mean(hi - lo))
 
-    def plot(self, ax=None, *, name=None, kind="bar", show_histogram=True, ref_line=True,
-             **kwargs):
-        """Plot accuracy against confidence, the diagonal and the confidence histogram.
+    def plot(self, ax=None, *, name=None, subsample=1_000, random_state=None, ref_line=True,
+             scatter_kwargs=None, interval_kwargs=None):
+        """Plot true against predicted values with the intervals and the diagonal.
 
         Parameters
         ----------
@@ -598,86 +543,93 @@ class ReliabilityDisplay:
             Axes to plot on; a new figure and axes are created if ``None``.
         name : str, default=None
             Name in the legend; defaults to ``estimator_name``.
-        kind : {"bar", "line"}, default="bar"
-            Accuracy as bars over each non-empty bin, or as points at each bin's
-            mean confidence joined by a line (to overlay several classifiers).
-        show_histogram : bool, default=True
-            Draw the fraction of predictions per bin as narrow dark bars along
-            the bottom, on a twin axes (right-hand scale).
+        subsample : int, float or None, default=1000
+            Rows drawn: an int is a count, a float in (0, 1] a fraction, ``None``
+            all of them (as :class:`sklearn.metrics.PredictionErrorDisplay`). The
+            coverage in the legend is always over every row.
+        random_state : int, RandomState instance or None, default=None
+            Seed of the subsample.
         ref_line : bool, default=True
-            Draw the diagonal ``accuracy == confidence``.
-        **kwargs : dict
-            Keyword arguments for :meth:`matplotlib.axes.Axes.bar` or
-            :meth:`matplotlib.axes.Axes.plot` of the accuracy.
+            Draw the diagonal ``true == predicted``.
+        scatter_kwargs : dict, default=None
+            Keyword arguments for :meth:`matplotlib.axes.Axes.scatter` of the points.
+        interval_kwargs : dict, default=None
+            Keyword arguments for :meth:`matplotlib.axes.Axes.vlines` of the
+            intervals (a ``colors`` entry replaces the covered / missed colours).
 
         Returns
         -------
-        display : ReliabilityDisplay
+        display : PredictionIntervalDisplay
             The display, with the artists stored as attributes.
         """
-        if kind not in ("bar", "line"):
-            raise ValueError(f"kind must be 'bar' or 'line'; got {kind!r}")
-        ax = _get_ax(ax, "ReliabilityDisplay.plot")
-        name = self.estimator_name if name is None else name
-        label = f"ECE = {self.ece:.3f}" if name is None else f"{name} (ECE = {self.ece:.3f})"
-        conf = np.asarray(self.bin_confidence, dtype=np.float64)
-        acc = np.asarray(self.bin_accuracy, dtype=np.float64)
-        counts = np.asarray(self.bin_counts)
-        n_bins = len(counts)
-        edges = np.arange(n_bins + 1) / n_bins
-        nonempty = counts > 0
+        from sklearn.utils import check_random_state
 
-        self.hist_ = self.hist_ax_ = None
-        if show_histogram:
-            # narrow dark bars on a twin axes scaled so that the tallest fills the
-            # lowest quarter of the plot, drawn in front of the accuracy bars
-            hist_ax = ax.twinx()
-            frac = counts / max(int(counts.sum()), 1)
-            self.hist_ = hist_ax.bar(edges[:-1] + 0.25 / n_bins, frac, width=0.5 / n_bins,
-                                     align="edge", color="0.25", alpha=0.6,
-                                     label="fraction of predictions")
-            top = float(frac.max()) if frac.max() > 0 else 1.0
-            hist_ax.set_ylim(0, 4 * top)
-            hist_ax.set_yticks([0, top], labels=["0", f"{top:.2f}"])
-            hist_ax.set_ylabel("fraction of predictions", loc="bottom")
-            self.hist_ax_ = hist_ax
-
-        self.ref_line_ = None
-        if ref_line and not _legend_has(ax, self._REF_LABEL):
-            self.ref_line_ = ax.plot([0, 1], [0, 1], "k:", label=self._REF_LABEL)[0]
-        self.bars_ = self.line_ = None
-        if kind == "bar":
-            bar_kw = {"width": 1.0 / n_bins, "align": "edge", "edgecolor": "k", "alpha": 0.7,
-                      "label": label}
-            bar_kw.update(kwargs)
-            self.bars_ = ax.bar(edges[:-1][nonempty], acc[nonempty], **bar_kw)
+        ax = _get_ax(ax, "PredictionIntervalDisplay.plot")
+        y, pred, lo, hi = (np.asarray(a, dtype=np.float64) for a in
+                           (self.y_true, self.y_pred, self.lower, self.upper))
+        n = len(y)
+        if subsample is None:
+            k = n
+        elif isinstance(subsample, numbers.Integral) and not isinstance(subsample, bool) \
+                and subsample > 0:
+            k = min(int(subsample), n)
+        elif isinstance(subsample, numbers.Real) and 0 < subsample <= 1:
+            k = max(1, int(round(subsample * n)))
         else:
-            line_kw = {"marker": "o", "label": label}
-            line_kw.update(kwargs)
-            self.line_ = ax.plot(conf[nonempty], acc[nonempty], **line_kw)[0]
-        ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence (largest class probability)",
-               ylabel="accuracy")
+            raise ValueError(f"subsample must be a positive int, a float in (0, 1] or None; "
+                             f"got {subsample!r}")
+        rows = np.sort(check_random_state(random_state).choice(n, k, replace=False)) \
+            if k < n else np.arange(n)
+        y, pred, lo, hi = y[rows], pred[rows], lo[rows], hi[rows]
+        covered = (lo <= y) & (y <= hi)
+        name = self.estimator_name if name is None else name
+        what = "" if self.confidence is None else f"{self.confidence:.0%} "
+        how = "" if self.kind is None else f"{self.kind} "
+        label = f"{what}{how}interval: coverage {self.coverage_:.3f}"
+        if name is not None:
+            label = f"{name}, {label}"
+        iv_kw = {"colors": np.where(covered, "tab:green", "tab:red"), "alpha": 0.5,
+                 "linewidth": 1.0, "label": label}
+        iv_kw.update(interval_kwargs or {})
+        self.intervals_ = ax.vlines(pred, lo, hi, **iv_kw)
+        sc_kw = {"s": 10, "color": "k", "zorder": 3}
+        sc_kw.update(scatter_kwargs or {})
+        self.scatter_ = ax.scatter(pred, y, **sc_kw)
+        self.line_ = None
+        if ref_line and not _legend_has(ax, self._REF_LABEL):
+            ends = [min(pred.min(), y.min()), max(pred.max(), y.max())]
+            self.line_ = ax.plot(ends, ends, "k:", label=self._REF_LABEL)[0]
+        ax.set(xlabel="predicted value", ylabel="true value")
         ax.legend(loc="upper left")
         self.ax_ = ax
         self.figure_ = ax.figure
         return self
 
     @classmethod
-    def from_estimator(cls, estimator, X, y, *, n_bins=15, name=None, ax=None, plot=True,
-                       **kwargs):
-        """Compute and plot the reliability diagram of a fitted classifier on ``(X, y)``.
+    def from_estimator(cls, estimator, X, y, *, confidence=0.9, interval="auto", target=None,
+                       name=None, ax=None, plot=True, **kwargs):
+        """Compute and plot the prediction intervals of a fitted regressor on ``(X, y)``.
 
         Parameters
         ----------
-        estimator : fitted classifier
-            Any classifier with ``predict_proba``; its ``classes_`` (when present)
-            give the label of each probability column.
+        estimator : fitted regressor
+            A regressor with ``predict(X, return_std=True)``, and for conformal
+            intervals ``predict_interval`` (the estimators of this library, a
+            :class:`~sklearn_lla.pipeline.LaplacePipeline` ending in one, a
+            :class:`~sklearn_lla.compose.TransformedTargetRegressor` around one).
         X : array-like of shape (n_samples, n_features)
             Test inputs.
-        y : array-like of shape (n_samples,)
-            Test labels.
-        n_bins : int, default=15
-            Number of equal-width confidence bins.
+        y : array-like of shape (n_samples,) or (n_samples, n_targets)
+            Test targets.
+        confidence : float, default=0.9
+            Nominal coverage of the intervals, in (0, 1).
+        interval : {"auto", "conformal", "gaussian"}, default="auto"
+            ``"conformal"``: ``estimator.predict_interval(X, confidence)`` (needs
+            a conformalized estimator); ``"gaussian"``: the central interval
+            ``mean +- z std`` of the predictive distribution; ``"auto"``:
+            conformal when the estimator is conformalized, otherwise Gaussian.
+        target : int, default=None
+            The target to plot when ``y`` has several (required then).
         name : str, default=None
             Name in the legend; defaults to the estimator's class name.
         ax : matplotlib.axes.Axes, default=None
@@ -689,38 +641,61 @@ class ReliabilityDisplay:
 
         Returns
         -------
-        display : ReliabilityDisplay
+        display : PredictionIntervalDisplay
             The display.
         """
-        predict_proba = getattr(estimator, "predict_proba", None)
-        if not callable(predict_proba):
-            raise AttributeError(
-                f"ReliabilityDisplay needs a classifier with predict_proba; "
-                f"{_estimator_name(estimator)} has none"
-            )
-        proba = predict_proba(X)
+        from sklearn.exceptions import NotFittedError
+
+        if interval not in ("auto", "conformal", "gaussian"):
+            raise ValueError(f"interval must be 'auto', 'conformal' or 'gaussian'; "
+                             f"got {interval!r}")
         name = _estimator_name(estimator) if name is None else name
-        return cls.from_predictions(y, proba, n_bins=n_bins,
-                                    labels=getattr(estimator, "classes_", None), name=name,
-                                    ax=ax, plot=plot, **kwargs)
+        mean, std = estimator.predict(X, return_std=True)
+        lower = upper = None
+        if interval in ("auto", "conformal"):
+            if not hasattr(estimator, "predict_interval"):
+                if interval == "conformal":
+                    raise AttributeError(f"{name} has no predict_interval; use "
+                                         "interval='gaussian'")
+            else:
+                try:
+                    lower, upper = estimator.predict_interval(X, confidence=confidence)
+                    kind = "conformal"
+                except NotFittedError:
+                    if interval == "conformal":
+                        raise
+        if lower is None:
+            return cls.from_predictions(y, mean, std=std, confidence=confidence,
+                                        target=target, name=name, ax=ax, plot=plot, **kwargs)
+        return cls.from_predictions(y, mean, lower=lower, upper=upper, confidence=confidence,
+                                    kind=kind, target=target, name=name, ax=ax, plot=plot,
+                                    **kwargs)
 
     @classmethod
-    def from_predictions(cls, y_true, proba, *, n_bins=15, labels=None, name=None, ax=None,
+    def from_predictions(cls, y_true, y_pred, *, lower=None, upper=None, std=None,
+                         confidence=0.9, kind=None, target=None, name=None, ax=None,
                          plot=True, **kwargs):
-        """Compute and plot the reliability diagram of predicted probabilities.
+        """Compute and plot prediction intervals from bounds or a Gaussian std.
 
         Parameters
         ----------
-        y_true : array-like of shape (n_samples,)
-            True labels.
-        proba : array-like of shape (n_samples, n_classes) or (n_samples,)
-            Predicted probabilities (a 1-D array is the probability of the
-            positive class of a binary problem).
-        n_bins : int, default=15
-            Number of equal-width confidence bins.
-        labels : array-like of shape (n_classes,), default=None
-            The class of each column of ``proba``; see
-            :func:`sklearn_lla.metrics.reliability_curve`.
+        y_true : array-like of shape (n_samples,) or (n_samples, n_targets)
+            True values.
+        y_pred : array-like of the shape of ``y_true``
+            Predictions.
+        lower, upper : array-like of the shape of ``y_true``, default=None
+            Interval bounds (both, or ``std`` instead).
+        std : array-like of the shape of ``y_true``, default=None
+            Predictive std: the intervals are the Gaussian central intervals
+            ``y_pred +- z std``, ``z`` the ``(1 + confidence) / 2`` normal quantile.
+        confidence : float, default=0.9
+            The intervals' nominal coverage (for the legend; with ``std`` it also
+            sets ``z``).
+        kind : str, default=None
+            How the intervals were made, for the legend (``"gaussian"`` with
+            ``std``).
+        target : int, default=None
+            The target to plot when the arrays have several columns.
         name : str, default=None
             Name in the legend.
         ax : matplotlib.axes.Axes, default=None
@@ -732,11 +707,28 @@ class ReliabilityDisplay:
 
         Returns
         -------
-        display : ReliabilityDisplay
+        display : PredictionIntervalDisplay
             The display.
         """
-        conf, acc, counts = reliability_curve(y_true, proba, n_bins, labels=labels)
-        ece = expected_calibration_error(y_true, proba, n_bins, labels=labels)
-        disp = cls(bin_confidence=conf, bin_accuracy=acc, bin_counts=counts, ece=ece,
-                   estimator_name=name)
+        from scipy.stats import norm
+
+        if isinstance(confidence, bool) or not isinstance(confidence, numbers.Real) or \
+                not 0 < confidence < 1:
+            raise ValueError(f"confidence must be a float in (0, 1); got {confidence!r}")
+        if (lower is None) != (upper is None):
+            raise ValueError("pass both lower and upper, or std")
+        if (lower is None) == (std is None):
+            raise ValueError("pass either the bounds (lower and upper) or std, not both "
+                             "or neither")
+        if std is not None:
+            s = np.asarray(std, dtype=np.float64)
+            if np.any(s < 0):
+                raise ValueError("std must be non-negative")
+            z = float(norm.ppf(0.5 + confidence / 2))
+            m = np.asarray(y_pred, dtype=np.float64)
+            lower, upper = m - z * s, m + z * s
+            kind = "gaussian" if kind is None else kind
+        y, pred, lo, hi = _interval_arrays(y_true, y_pred, lower, upper, target)
+        disp = cls(y_true=y, y_pred=pred, lower=lo, upper=hi, confidence=float(confidence),
+                   kind=kind, estimator_name=name)
         return disp.plot(ax=ax, **kwargs) if plot else disp
