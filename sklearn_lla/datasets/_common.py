@@ -18,13 +18,13 @@ from sklearn.utils import Bunch
 STD_EPS = 1e-6
 
 
-def import_pandas(what):
-    """Import pandas or raise an ImportError that says how to install it."""
+def import_pandas(what, extra="data"):
+    """Import pandas or raise an ImportError naming the extra that installs it."""
     try:
         import pandas as pd
-    except ImportError as exc:  # pragma: no cover - pandas is installed in tests
+    except ImportError as exc:
         raise ImportError(
-            f"{what} needs pandas: pip install 'sklearn-lla[data]' (or pip install pandas)"
+            f"{what} needs pandas: pip install 'sklearn-lla[{extra}]' (or pip install pandas)"
         ) from exc
     return pd
 
@@ -62,11 +62,12 @@ def check_max_rows(max_rows):
     return int(max_rows)
 
 
-def numeric_frame(df, columns, name, *, first_line):
+def numeric_frame(df, columns, name, *, first_line, allow_missing=False):
     """Columns of ``df`` as a float64 array, checked for non-numeric and missing values.
 
     ``first_line`` is the 1-based line of the file holding the first data row (2 for a
     CSV with a header, None for files without lines, e.g. pickles), used in messages.
+    ``allow_missing=True`` returns missing values as NaN (infinite ones still raise).
     """
     pd = import_pandas("reading data files")
     missing = [c for c in columns if c not in df.columns]
@@ -87,7 +88,8 @@ def numeric_frame(df, columns, name, *, first_line):
                 )
             s = num
         out[:, j] = s.to_numpy(dtype=np.float64, na_value=np.nan)
-    check_finite(out, columns, name, first_line=first_line)
+    check_finite(np.nan_to_num(out, nan=0.0, posinf=np.inf, neginf=-np.inf) if allow_missing
+                 else out, columns, name, first_line=first_line)
     return out
 
 

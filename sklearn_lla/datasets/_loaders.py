@@ -71,14 +71,18 @@ dropped). File-order splits of the kept trips: {n_train} train, {n_val} validati
 
 
 # ------------------------------------------------------------------- CSV reading
-def _read_csv(open_src, name, *, header, usecols, nrows, float_columns=None):
+def _read_csv(open_src, name, *, header, usecols, nrows, float_columns=None, na_values=None):
     """``(frame, is_float)``: read a CSV, float64 when every field parses, else as text.
 
     ``open_src`` is a context-manager factory yielding a path or binary handle;
     ``float_columns`` are the columns parsed as float64 (None: all), the others are
-    left to pandas.
+    left to pandas. ``na_values``: the only fields read as missing (e.g. ``["", "NA"]``),
+    in both reads; None keeps pandas' default list in the float read and only ``""`` in
+    the text read.
     """
     pd = import_pandas("reading CSV files")
+    na = {} if na_values is None else {"keep_default_na": False, "na_values": list(na_values)}
+    text_na = list(na_values) if na_values is not None else [""]
 
     def read(**kw):
         # index_col=False: a first row longer than the header is an error here (a
@@ -92,7 +96,7 @@ def _read_csv(open_src, name, *, header, usecols, nrows, float_columns=None):
         try:
             dtype = (np.float64 if float_columns is None
                      else dict.fromkeys(float_columns, np.float64))
-            return read(dtype=dtype), True
+            return read(dtype=dtype, **na), True
         except pd.errors.EmptyDataError as exc:
             raise ValueError(f"{name}: the file is empty") from exc
         except (pd.errors.ParserError, pd.errors.ParserWarning) as exc:
@@ -100,7 +104,7 @@ def _read_csv(open_src, name, *, header, usecols, nrows, float_columns=None):
         except UnicodeDecodeError as exc:
             raise ValueError(f"{name}: not a text file ({exc})") from exc
         except ValueError:  # a non-numeric field: read as text, the caller says where
-            return read(dtype=str, keep_default_na=False, na_values=[""]), False
+            return read(dtype=str, keep_default_na=False, na_values=text_na), False
     except (zipfile.BadZipFile, EOFError, OSError, zlib.error) as exc:
         raise ValueError(f"{name}: cannot read the file ({type(exc).__name__}: {exc}); "
                          "a truncated or corrupt file?") from exc
