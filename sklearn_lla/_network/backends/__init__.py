@@ -1,0 +1,6 @@
+"""Jacobian backends: who computes ``LinearizedNet``'s products (chosen once, at construction).
+
+* :mod:`.base`: the interface (:class:`~.base.JacobianBackend`, generic ``torch.func``
+  products) and dense Jacobian rows;
+* :mod:`.chain`: chains of ``nn.Linear`` layers and elementwise maps.
+"""
