@@ -47,8 +47,12 @@ def float64_view(lin):
     """``lin`` itself, or a float64 copy of it (projectors are built in float64)."""
     if lin.dtype == torch.float64:
         return lin
+    x = getattr(lin, "_trace_input", None)
+    if x is not None and x.is_floating_point():
+        x = x.double()
     return LinearizedNet(copy.deepcopy(lin.module).double(), lin.device, lin.output_transform,
-                         structured=lin.structured, param_names=list(lin.names))
+                         structured=lin.structured, param_names=list(lin.names),
+                         example_input=x)
 
 
 def _rows(lin, x, lik):

@@ -44,6 +44,7 @@ from torch.func import functional_call
 
 from .backends.base import JacobianBackend, Rows
 from .backends.chain import ChainBackend
+from .backends.graph import GraphBackend
 from .structured.chain import StructuredChain
 from .structured.jacobian import StructuredJacobian
 from .structured.trace import share_copy
@@ -281,6 +282,16 @@ class LinearizedNet:
         """Whether the backend's products may run from several threads at once."""
         return bool(self.jacobian_backend.thread_safe)
 
+    def _graph_or_generic(self, x: Tensor | None, why_not_chain: str) -> None:
+        """The graph backend when it supports the network, else torch.func."""
+        if x is not None:
+            self._trace_input = x[:2]
+        graph, reason = GraphBackend.build(self, x)
+        if graph is not None:
+            self._use(graph)
+        else:
+            self._generic(f"{why_not_chain}; not a supported graph: {reason}")
+
     def _select_backend(self, x: Tensor | None) -> None:
         """Decide, once, between the structured chain and torch.func."""
         self._trace_input = None
@@ -288,12 +299,12 @@ class LinearizedNet:
             self._generic("structured=False was requested")
             return
         if self.output_transform != "identity":
-            self._generic(f"output_transform={self.output_transform!r} is not "
-                          "supported by the structured path")
+            self._graph_or_generic(x, f"output_transform={self.output_transform!r} is not "
+                                   "supported by the structured chain")
             return
         chain, reason = StructuredChain.trace(self.module, x)
         if chain is None:
-            self._generic(f"not a chain: {reason}")
+            self._graph_or_generic(x, f"not a chain: {reason}")
             return
         if x is not None:  # one row more than traced or checked before: another size
             probe = torch.cat([x, x[:1]])
@@ -343,6 +354,13 @@ class LinearizedNet:
                               f"unpickling: {reason}")
             else:
                 self._use(ChainBackend(self, chain, self.backend_reason))
+        elif self.backend == "graph":
+            graph, reason = GraphBackend.build(self, self._trace_input)
+            if graph is None:
+                self._generic("the graph backend could not be rebuilt after unpickling: "
+                              f"{reason}")
+            else:
+                self._use(graph)
         else:
             self._generic(self.backend_reason)
 
@@ -589,6 +607,16 @@ class LinearizedNet:
         if out_idx is not None:
             out_idx = self._out_idx(x, out_idx)
         return self.jacobian_backend.rows(x, out_idx, differentiable)
+
+    def row_elements(self) -> int:
+        """Elements one Jacobian row holds in :meth:`rows`' representation.
+
+        Returns
+        -------
+        int
+            ``P`` for dense rows, far fewer for factored ones.
+        """
+        return int(self.jacobian_backend.row_elements())
 
     def factored_jacobian(self, x: Tensor, out_idx: Tensor | None = None, *,
                           differentiable: bool = False) -> StructuredJacobian:

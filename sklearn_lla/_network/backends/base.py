@@ -29,13 +29,39 @@ import torch
 from torch import Tensor
 from torch.func import jacrev, vjp, vmap
 
-__all__ = ["DenseRows", "JacobianBackend", "Rows"]
+__all__ = ["DenseRows", "FactoredBackend", "JacobianBackend", "Rows", "gram64"]
 
 _F64 = torch.float64
 
 #: Elements (network dtype) of the Jacobian rows :meth:`JacobianBackend.kernel` keeps
 #: at once: rows are computed once per panel of this size, not once per Gram block.
 PANEL_ELEMENTS = 2**27
+
+
+def gram64(a: Tensor, b: Tensor | None = None) -> Tensor:
+    """``a b^T`` in float64 (``b=None``: ``a a^T``, by BLAS ``syrk`` on the CPU: half
+    the multiplications of a general product).
+
+    Parameters
+    ----------
+    a : Tensor of shape (n, p)
+    b : Tensor of shape (m, p), optional
+
+    Returns
+    -------
+    Tensor of shape (n, m), dtype float64
+    """
+    a64 = a.to(_F64)
+    if b is not None:
+        return a64 @ b.to(_F64).T
+    if a64.device.type != "cpu" or a64.requires_grad or a64.shape[0] < 64:
+        return a64 @ a64.T
+    from scipy.linalg.blas import dsyrk
+
+    arr = a64.detach().contiguous().numpy()
+    up = dsyrk(1.0, arr.T, trans=1)  # arr.T is Fortran-ordered: arr arr^T, upper part
+    out = torch.from_numpy(up)
+    return out.triu_().add_(out.triu(1).T).contiguous()
 
 
 class Rows:
@@ -112,11 +138,25 @@ class DenseRows(Rows):
         -------
         Tensor of shape (n_rows_self, n_rows_other), dtype float64
         """
+        if other is None or other is self:
+            return gram64(self.R)
+        return gram64(self.R, other.R)
+
+    def cross_gram(self, other: DenseRows | None = None) -> Tensor:
+        """:meth:`gram`, differentiable.
+
+        Parameters
+        ----------
+        other : DenseRows, optional
+            Defaults to ``self``.
+
+        Returns
+        -------
+        Tensor of shape (n_rows_self, n_rows_other), dtype float64
+        """
         a = self.R.to(_F64)
         b = a if other is None or other is self else other.R.to(_F64)
         return a @ b.T
-
-    cross_gram = gram
 
     def diag_blocks(self) -> Tensor:
         """Per-point blocks of :meth:`gram`.
@@ -307,36 +347,95 @@ class JacobianBackend:
             blocks.append(J @ J.transpose(1, 2))
         return torch.cat(parts), torch.cat(blocks)
 
-    def kernel_step(self, n_outputs: int) -> int:
-        """Points per block of :meth:`kernel`."""
-        return self.lin.chunk_size(n_outputs)
+    def kernel_step(self, rows_per_point: int) -> int:
+        """Points per block of :meth:`kernel` (their rows fit the chunk budget)."""
+        return self.lin.chunk_size(rows_per_point)
+
+    def row_elements(self) -> int:
+        """Elements one Jacobian row holds in :meth:`rows`' representation."""
+        return self.lin.n_params
 
     def kernel(self, X1: Tensor, X2: Tensor | None, C: int, dtype, out1=None,
                out2=None) -> Tensor:
-        """The full Gram ``J(X1) J(X2)^T`` block by block (see ``LinearizedNet.kernel``)."""
+        """The full Gram ``J(X1) J(X2)^T`` block by block (see ``LinearizedNet.kernel``).
+
+        The rows of a panel of blocks (up to :data:`PANEL_ELEMENTS` elements) are
+        computed once and paired with each other and with every later block, so each
+        row is computed once when the panel holds them all, and once per panel
+        otherwise -- never once per Gram block.
+        """
         same = X2 is None
         if same:
             X2, out2 = X1, out1
         r1 = 1 if out1 is not None else C
         r2 = 1 if out2 is not None else C
-        step = self.kernel_step(C)
+        step = self.kernel_step(max(r1, r2))
         n1, n2 = X1.shape[0], X2.shape[0]
         out = torch.empty((n1 * r1, n2 * r2), dtype=dtype, device=self.lin.device)
+        chunks1 = [slice(i, min(i + step, n1)) for i in range(0, n1, step)]
+        chunks2 = chunks1 if same else [slice(j, min(j + step, n2)) for j in range(0, n2, step)]
+        per_chunk = max(1, step * r1 * self.row_elements())
+        panel = max(1, PANEL_ELEMENTS // per_chunk)
 
-        def sel(o, s):
-            return None if o is None else o[s]
+        def rows(X, o, sl):
+            with torch.no_grad():
+                return self.rows(X[sl], None if o is None else o[sl])
 
-        for i in range(0, n1, step):
-            si = slice(i, min(i + step, n1))
-            for j in range(0, n2, step):
-                if same and j < i:
-                    continue
-                sj = slice(j, min(j + step, n2))
-                if same and i == j:
-                    blk = self.ntk(X1[si], None, sel(out1, si))
-                else:
-                    blk = self.ntk(X1[si], X2[sj], sel(out1, si), sel(out2, sj))
-                out[si.start * r1:si.stop * r1, sj.start * r2:sj.stop * r2] = blk
-                if same and j > i:
-                    out[sj.start * r2:sj.stop * r2, si.start * r1:si.stop * r1] = blk.T
+        def put(si, sj, blk):
+            out[si.start * r1:si.stop * r1, sj.start * r2:sj.stop * r2] = blk
+            if same and si != sj:
+                out[sj.start * r2:sj.stop * r2, si.start * r1:si.stop * r1] = blk.T
+
+        for p0 in range(0, len(chunks1), panel):
+            held = [(si, rows(X1, out1, si)) for si in chunks1[p0:p0 + panel]]
+            if same:
+                for a, (si, Ri) in enumerate(held):
+                    for sj, Rj in held[a:]:
+                        with torch.no_grad():
+                            put(si, sj, Ri.gram(None if sj == si else Rj))
+                later = chunks1[p0 + panel:]
+            else:
+                later = chunks2
+            for sj in later:
+                Rj = rows(X2, out2, sj)
+                for si, Ri in held:
+                    with torch.no_grad():
+                        put(si, sj, Ri.gram(Rj))
         return out
+
+
+class FactoredBackend(JacobianBackend):
+    """A backend whose :meth:`rows` are compact factors: every kernel from them.
+
+    Subclasses implement :meth:`rows` (and usually ``jvp`` / ``vjp``); the Jacobians,
+    Gram blocks, diagonal blocks and ``R^T U`` products here pair the factors and
+    never go through ``torch.func``.
+    """
+
+    thread_safe = True
+    factored = True
+
+    def jacobian(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            return self.rows(x).dense().reshape(x.shape[0], -1, self.lin.n_params)
+
+    def jacobian_rows(self, x: Tensor, out_idx: Tensor, differentiable: bool = False) -> Tensor:
+        return self.rows(x, out_idx, differentiable).dense()
+
+    def gradient_rows_vjp(self, x: Tensor, out_idx: Tensor, U: Tensor) -> dict:
+        with torch.no_grad():
+            return self.rows(x, out_idx).vjp(U)
+
+    def ntk(self, x1: Tensor, x2: Tensor | None, out1=None, out2=None) -> Tensor:
+        with torch.no_grad():
+            F1 = self.rows(x1, out1)
+            F2 = F1 if x2 is None else self.rows(x2, out2)
+            return F1.gram(F2)
+
+    def ntk_diag_blocks(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            return self.rows(x).diag_blocks()
+
+    def cross_and_diag(self, x: Tensor, rows, n_outputs: int) -> tuple[Tensor, Tensor]:
+        Fx = self.rows(x)
+        return Fx.cross_gram(rows).view(x.shape[0], n_outputs, -1), Fx.diag_blocks()

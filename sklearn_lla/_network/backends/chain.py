@@ -13,12 +13,12 @@ from torch import Tensor
 
 from ..structured.chain import StructuredChain
 from ..structured.jacobian import StructuredJacobian
-from .base import JacobianBackend
+from .base import FactoredBackend
 
 __all__ = ["ChainBackend"]
 
 
-class ChainBackend(JacobianBackend):
+class ChainBackend(FactoredBackend):
     """Products of a network recognised as a :class:`StructuredChain`.
 
     Parameters
@@ -32,8 +32,6 @@ class ChainBackend(JacobianBackend):
     """
 
     name = "structured"
-    thread_safe = True
-    factored = True
 
     def __init__(self, lin, chain: StructuredChain, reason: str) -> None:
         super().__init__(lin, reason)
@@ -56,30 +54,8 @@ class ChainBackend(JacobianBackend):
             return self.chain.features(*self._args(), x, out_idx, self.lin.names,
                                        differentiable=differentiable)
 
-    def jacobian(self, x: Tensor) -> Tensor:
-        with torch.no_grad():
-            return self.rows(x).dense().reshape(x.shape[0], -1, self.lin.n_params)
-
-    def jacobian_rows(self, x: Tensor, out_idx: Tensor, differentiable: bool = False) -> Tensor:
-        return self.rows(x, out_idx, differentiable).dense()
-
-    def gradient_rows_vjp(self, x: Tensor, out_idx: Tensor, U: Tensor) -> dict:
-        with torch.no_grad():
-            return self.rows(x, out_idx).vjp(U)
-
-    def ntk(self, x1: Tensor, x2: Tensor | None, out1=None, out2=None) -> Tensor:
-        with torch.no_grad():
-            F1 = self.rows(x1, out1)
-            F2 = F1 if x2 is None else self.rows(x2, out2)
-            return F1.gram(F2)
-
-    def ntk_diag_blocks(self, x: Tensor) -> Tensor:
-        with torch.no_grad():
-            return self.rows(x).diag_blocks()
-
-    def cross_and_diag(self, x: Tensor, rows, n_outputs: int) -> tuple[Tensor, Tensor]:
-        Fx = self.rows(x)
-        return Fx.cross_gram(rows).view(x.shape[0], n_outputs, -1), Fx.diag_blocks()
-
-    def kernel_step(self, n_outputs: int) -> int:
+    def kernel_step(self, rows_per_point: int) -> int:
         return 4096
+
+    def row_elements(self) -> int:
+        return 1  # factors: the chain's rows are cheap to hold
