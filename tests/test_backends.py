@@ -144,6 +144,9 @@ def test_graph_backend_products_match_dense(name, dtype):
         assert jv.dtype == dtype
         _close(out, net(x).detach(), tol)
         _close(jv, torch.einsum("bcp,kp->bck", J, V), tol * 10)
+        out2, jv2, blocks2 = lin.jvp_and_ntk_diag(x, V.to(dtype))  # rows shared
+        _close(jv2, torch.einsum("bcp,kp->bck", J, V), tol * 10)
+        _close(blocks2, J @ J.transpose(1, 2), tol)
         U = torch.randn(K, B, C, generator=g, dtype=F64)
         _close(_flat(lin.vjp(x, U.to(dtype)), lin.names), torch.einsum("bcp,kbc->kp", J, U),
                tol * 10)

@@ -500,6 +500,26 @@ class LinearizedNet:
         """
         return self.jacobian_backend.jvp(self._input(x), self._tangents(tangents))
 
+    def jvp_and_ntk_diag(self, x: Tensor, tangents) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`jvp` and :meth:`ntk_diag_blocks` at the same ``x``, sharing the work
+        where the backend can (one evaluation of the Jacobian rows).
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, ...)
+            Input batch.
+        tangents : Tensor of shape (K, P) or dict of (K, *param_shape)
+            As in :meth:`jvp`.
+
+        Returns
+        -------
+        g : Tensor of shape (B, C)
+        jv : Tensor of shape (B, C, K)
+        blocks : Tensor of shape (B, C, C), dtype float64
+        """
+        return self.jacobian_backend.jvp_and_ntk_diag(self._input(x),
+                                                      self._tangents(tangents))
+
     def vjp(self, x: Tensor, cotangents: Tensor) -> dict:
         """Compute vector-Jacobian products ``sum_b J(x_b)^T u_k[b]``.
 

@@ -206,3 +206,8 @@ class NystromFeatures(Features):
     def __call__(self, x):
         g, phi = self.lin.jvp(x, self.V)
         return g.double(), phi.double()
+
+    def with_ntk_diag(self, x):
+        """``(g, phi, J(x) J(x)^T)`` from one evaluation of the Jacobian at ``x``."""
+        g, phi, k = self.lin.jvp_and_ntk_diag(x, self.V)
+        return g.double(), phi.double(), k

@@ -266,6 +266,11 @@ class JacobianBackend:
             (jv,) = vmap(vjp_t)(T)
         return g.detach(), jv.permute(1, 2, 0)
 
+    def jvp_and_ntk_diag(self, x: Tensor, T: dict) -> tuple[Tensor, Tensor, Tensor]:
+        """``(*jvp(x, T), ntk_diag_blocks(x))``; backends with rows share them."""
+        g, jv = self.jvp(x, T)
+        return g, jv, self.ntk_diag_blocks(x)
+
     def vjp(self, x: Tensor, cotangents: Tensor) -> dict:
         """``sum_b J(x_b)^T u_k[b]`` for cotangents ``(K, B, C)``."""
         lin = self.lin

@@ -561,6 +561,21 @@ class GraphBackend(FactoredBackend):
                 jvs.append(R.matmul(T).view(b, C, K))
         return torch.cat(gs), torch.cat(jvs)
 
+    def jvp_and_ntk_diag(self, x: Tensor, T: dict) -> tuple[Tensor, Tensor, Tensor]:
+        K = next((t.shape[0] for t in T.values()), None)
+        if K is None:
+            raise ValueError("tangents is empty")
+        step = self.kernel_step(self.lin.n_outputs(x))
+        gs, jvs, blocks = [], [], []
+        with torch.no_grad():
+            for s in range(0, x.shape[0], step):
+                R = self.rows(x[s:s + step])
+                b, C = R.output.shape
+                gs.append(R.output)
+                jvs.append(R.matmul(T).view(b, C, K))
+                blocks.append(R.diag_blocks())
+        return torch.cat(gs), torch.cat(jvs), torch.cat(blocks)
+
     def vjp(self, x: Tensor, cotangents: Tensor) -> dict:
         K, B, C = cotangents.shape
         if K <= C:
