@@ -281,3 +281,31 @@ def test_log_output_transform():
     assert lin.backend == "graph"
     logsoft = nn.Sequential(net, nn.LogSoftmax(-1))
     _close(lin.jacobian(x), dense_jacobian(logsoft, x), 1e-9)
+
+
+def test_kernel_computes_each_row_once_per_panel(monkeypatch):
+    """The Gram's rows are computed once (per panel of held rows), never once per block
+    pair (ELLA's Nystrom Gram on the digits CNN computed them 529 times for 276 blocks)."""
+    from sklearn_lla._network.backends import base
+
+    net, x = _make("conv2d", F64)
+    x = torch.cat([x, 0.5 * x, -x, x + 0.1])  # 20 points
+    lin = LinearizedNet(net, example_input=x, structured=False)  # the generic backend
+    backend = lin.jacobian_backend
+    calls = []
+    rows = backend.rows
+    monkeypatch.setattr(backend, "kernel_step", lambda r: 3)  # 7 chunks, 28 blocks
+    monkeypatch.setattr(backend, "rows", lambda *a, **k: calls.append(1) or rows(*a, **k))
+    idx = torch.arange(20) % 3
+    ref = lin.jacobian_rows(x, idx).double()
+    _close(lin.kernel(x, out1=idx), ref @ ref.T, 1e-12)
+    assert len(calls) == 7  # the panel holds every chunk: each computed once
+    calls.clear()
+    monkeypatch.setattr(base, "PANEL_ELEMENTS", 2 * 3 * lin.n_params)  # 2 chunks a panel
+    _close(lin.kernel(x, out1=idx), ref @ ref.T, 1e-12)
+    assert len(calls) == 7 + 5 + 3 + 1  # held once, streamed once per earlier panel
+    x2 = x[:5] - 0.2
+    calls.clear()
+    R2 = lin.jacobian_rows(x2, idx[:5]).double()
+    _close(lin.kernel(x, x2, out1=idx, out2=idx[:5]), ref @ R2.T, 1e-12)
+    assert len(calls) == 7 + 4 * 2  # X1 chunks once; X2's 2 chunks once per panel (4)

@@ -55,7 +55,7 @@ AUTO_MIN_COMPONENTS = 20
 
 #: Elements (network dtype) of the ``M`` Nystrom rows held at once to reuse them for
 #: ``V`` (factored rows hold far fewer than ``M x P``).
-ROWS_HELD = 2**27
+ROWS_HELD = 2**26
 
 
 def _top_eigh(Kt, k):

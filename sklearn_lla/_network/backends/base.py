@@ -35,7 +35,7 @@ _F64 = torch.float64
 
 #: Elements (network dtype) of the Jacobian rows :meth:`JacobianBackend.kernel` keeps
 #: at once: rows are computed once per panel of this size, not once per Gram block.
-PANEL_ELEMENTS = 2**27
+PANEL_ELEMENTS = 2**26
 
 
 def gram64(a: Tensor, b: Tensor | None = None) -> Tensor:
