@@ -483,12 +483,15 @@ def test_clear_errors(reg_data, reg_net):
         def forward(self, x):
             return self.b(torch.tanh(self.n(self.a(x))))
 
-    with pytest.raises(ValueError, match="KFAC.*lowrank-diag"):
-        SubspaceLaplaceRegressor(Normed().double(), device="cpu").fit(X, y)
-    # the other projectors work, with the subspace evidence for an "auto" prior
+    # the default does not raise (issue 31): KFAC for the Linear layers, the exact GGN
+    # diagonal for the LayerNorm's parameters, said in projector_curvature_
+    est = SubspaceLaplaceRegressor(Normed().double(), device="cpu").fit(X, y)
+    assert est.projector_curvature_ == ("KFAC (Linear: 41 parameters) + exact diagonal GGN "
+                                        "(LayerNorm: 16 parameters)")
+    assert est.hyper_trace_["prior_variance_source"] == "kfac_evidence"
     est = SubspaceLaplaceRegressor(Normed().double(), projector="lowrank-diag", subspace_dim=4,
                                    residual_correction=False, device="cpu").fit(X, y)
-    assert "prior_variance_source" not in est.hyper_trace_
+    assert est.projector_curvature_ == "exact diagonal GGN"
 
 
 def test_lowrank_stops_at_the_numerical_rank(reg_data, reg_net):
