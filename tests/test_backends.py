@@ -262,7 +262,7 @@ class _FunctionalUse(nn.Module):
     (nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, track_running_stats=False),
                    nn.Linear(4, 2)), 4, "without running statistics"),
     (_Twice(), 4, "called 2 times"),
-    (_FunctionalUse(), 4, "did not match torch.func's"),
+    (_FunctionalUse(), 4, "did not match autograd's"),
 ])
 def test_unsupported_networks_fall_back_with_reason(net, d, reason):
     net = net.double().eval()
@@ -309,3 +309,16 @@ def test_kernel_computes_each_row_once_per_panel(monkeypatch):
     R2 = lin.jacobian_rows(x2, idx[:5]).double()
     _close(lin.kernel(x, x2, out1=idx, out2=idx[:5]), ref @ R2.T, 1e-12)
     assert len(calls) == 7 + 4 * 2  # X1 chunks once; X2's 2 chunks once per panel (4)
+
+
+def test_check_on_one_output_per_row_for_large_nets(monkeypatch):
+    """Beyond CHECK_ELEMENTS the construction check compares one selected output per
+    example row (O(P) memory); it still tells a supported graph from a wrong one."""
+    from sklearn_lla._network.backends import graph
+
+    monkeypatch.setattr(graph, "CHECK_ELEMENTS", 0)
+    net, x = _make("conv2d", F64)
+    assert LinearizedNet(net, example_input=x).backend == "graph"
+    bad = _FunctionalUse().double().eval()
+    lin = LinearizedNet(bad, example_input=torch.randn(3, 4, dtype=F64))
+    assert lin.backend == "functorch" and "did not match autograd's" in lin.backend_reason
