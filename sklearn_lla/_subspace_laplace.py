@@ -58,6 +58,7 @@ class _SubspaceMixin:
         self.projector_ = posterior.projector_rows
         self.projector_eigvals_ = (None if posterior.projector_eigvals is None
                                    else posterior.projector_eigvals.cpu().numpy())
+        self.projector_curvature_ = posterior.projector_curvature
         self.log_marginal_likelihood_ = posterior.log_evidence
         super()._store_fitted(posterior)
 
@@ -165,6 +166,12 @@ class SubspaceLaplace(_SubspaceMixin, _LaplaceBase):
         Orthonormal rows spanning ``P`` (float64).
     projector_eigvals_ : ndarray or None
         Top eigenvalues of ``J_X' Psi J_X'^T`` (low-rank and optimal projectors).
+    projector_curvature_ : str or None
+        The curvature ``Psi_approx`` is built from, e.g. ``"KFAC (Conv2d, Linear: 37,984
+        parameters) + exact diagonal GGN (BatchNorm2d: 96 parameters)"`` (the default
+        projector on a net with BatchNorm: KFAC where curvlinops supports the layer, the
+        exact GGN diagonal for the other parameters); ``None`` for the subset projectors
+        built without curvature.
     log_marginal_likelihood_ : float
         Laplace evidence of the subspace model.
     hyper_strategy_ : str
@@ -178,7 +185,7 @@ class SubspaceLaplace(_SubspaceMixin, _LaplaceBase):
     linearized_net_ : LinearizedNet
         The frozen functional view of the network.
     jacobian_backend_ : str
-        ``"structured"`` or ``"functorch"``.
+        ``"structured"``, ``"graph"`` or ``"functorch"``.
     likelihood_ : Likelihood
         The fitted likelihood.
     posterior_ : SubspacePosterior

@@ -145,7 +145,7 @@ class ELLARegressor(_ELLAMixin, LaplaceRegressorMixin):
     linearized_net_ : LinearizedNet
         The frozen functional view of the network.
     jacobian_backend_ : str
-        ``"structured"`` or ``"functorch"``.
+        ``"structured"``, ``"graph"`` or ``"functorch"``.
     jacobian_backend_reason_ : str
         Why that backend was chosen.
     validation_source_ : str or None
@@ -297,7 +297,7 @@ class ELLAClassifier(_ELLAMixin, LaplaceClassifierMixin):
     linearized_net_ : LinearizedNet
         The frozen functional view of the network.
     jacobian_backend_ : str
-        ``"structured"`` or ``"functorch"``.
+        ``"structured"``, ``"graph"`` or ``"functorch"``.
     jacobian_backend_reason_ : str
         Why that backend was chosen.
     validation_source_ : str or None

@@ -135,7 +135,7 @@ class LLARegressor(_LLAMixin, LaplaceRegressorMixin):
     linearized_net_ : LinearizedNet
         The frozen functional view of the network.
     jacobian_backend_ : str
-        ``"structured"`` or ``"functorch"``.
+        ``"structured"``, ``"graph"`` or ``"functorch"``.
     jacobian_backend_reason_ : str
         Why that backend was chosen.
     validation_source_ : str or None
@@ -275,7 +275,7 @@ class LLAClassifier(_LLAMixin, LaplaceClassifierMixin):
     linearized_net_ : LinearizedNet
         The frozen functional view of the network.
     jacobian_backend_ : str
-        ``"structured"`` or ``"functorch"``.
+        ``"structured"``, ``"graph"`` or ``"functorch"``.
     jacobian_backend_reason_ : str
         Why that backend was chosen.
     validation_source_ : str or None

@@ -170,7 +170,7 @@ class SampledLLARegressor(_SampledMixin, LaplaceRegressorMixin):
     linearized_net_ : LinearizedNet
         The frozen functional view of the network.
     jacobian_backend_ : str
-        ``"structured"`` or ``"functorch"``.
+        ``"structured"``, ``"graph"`` or ``"functorch"``.
     likelihood_ : Gaussian
         The fitted likelihood.
     posterior_ : SampledLLAPosterior
@@ -329,7 +329,7 @@ class SampledLLAClassifier(_SampledMixin, LaplaceClassifierMixin):
     linearized_net_ : LinearizedNet
         The frozen functional view of the network.
     jacobian_backend_ : str
-        ``"structured"`` or ``"functorch"``.
+        ``"structured"``, ``"graph"`` or ``"functorch"``.
     likelihood_ : Categorical or Bernoulli
         The likelihood.
     posterior_ : SampledLLAPosterior

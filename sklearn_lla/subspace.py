@@ -136,6 +136,12 @@ class SubspaceLaplaceRegressor(_SubspaceMixin, LaplaceRegressorMixin):
         Orthonormal rows spanning ``P`` (float64).
     projector_eigvals_ : ndarray or None
         Top eigenvalues of ``J_X' Psi J_X'^T`` (low-rank and optimal projectors).
+    projector_curvature_ : str or None
+        The curvature ``Psi_approx`` is built from, e.g. ``"KFAC (Conv2d, Linear: 37,984
+        parameters) + exact diagonal GGN (BatchNorm2d: 96 parameters)"`` (the default
+        projector on a net with BatchNorm: KFAC where curvlinops supports the layer, the
+        exact GGN diagonal for the other parameters); ``None`` for the subset projectors
+        built without curvature.
     log_marginal_likelihood_ : float
         Laplace evidence of the subspace model.
     hyper_strategy_ : str
@@ -149,7 +155,7 @@ class SubspaceLaplaceRegressor(_SubspaceMixin, LaplaceRegressorMixin):
     linearized_net_ : LinearizedNet
         The frozen functional view of the network.
     jacobian_backend_ : str
-        ``"structured"`` or ``"functorch"``.
+        ``"structured"``, ``"graph"`` or ``"functorch"``.
     likelihood_ : Gaussian
         The fitted likelihood.
     posterior_ : SubspacePosterior
@@ -291,6 +297,12 @@ class SubspaceLaplaceClassifier(_SubspaceMixin, LaplaceClassifierMixin):
         Orthonormal rows spanning ``P`` (float64).
     projector_eigvals_ : ndarray or None
         Top eigenvalues of ``J_X' Psi J_X'^T`` (low-rank and optimal projectors).
+    projector_curvature_ : str or None
+        The curvature ``Psi_approx`` is built from, e.g. ``"KFAC (Conv2d, Linear: 37,984
+        parameters) + exact diagonal GGN (BatchNorm2d: 96 parameters)"`` (the default
+        projector on a net with BatchNorm: KFAC where curvlinops supports the layer, the
+        exact GGN diagonal for the other parameters); ``None`` for the subset projectors
+        built without curvature.
     log_marginal_likelihood_ : float
         Laplace evidence of the subspace model.
     hyper_strategy_ : str
@@ -306,7 +318,7 @@ class SubspaceLaplaceClassifier(_SubspaceMixin, LaplaceClassifierMixin):
     linearized_net_ : LinearizedNet
         The frozen functional view of the network.
     jacobian_backend_ : str
-        ``"structured"`` or ``"functorch"``.
+        ``"structured"``, ``"graph"`` or ``"functorch"``.
     likelihood_ : Categorical or Bernoulli
         The likelihood.
     posterior_ : SubspacePosterior

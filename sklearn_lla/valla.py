@@ -217,7 +217,7 @@ class VaLLARegressor(_VaLLAMixin, LaplaceRegressorMixin):
     linearized_net_ : LinearizedNet
         The frozen functional view of the network.
     jacobian_backend_ : str
-        ``"structured"`` (layer-wise NTK) or ``"functorch"``.
+        ``"structured"`` (layer-wise NTK), ``"graph"`` or ``"functorch"``.
     jacobian_backend_reason_ : str
         Why that backend was chosen.
     validation_source_ : str or None
@@ -423,7 +423,7 @@ class VaLLAClassifier(_VaLLAMixin, LaplaceClassifierMixin):
     linearized_net_ : LinearizedNet
         The frozen functional view of the network.
     jacobian_backend_ : str
-        ``"structured"`` (layer-wise NTK) or ``"functorch"``.
+        ``"structured"`` (layer-wise NTK), ``"graph"`` or ``"functorch"``.
     jacobian_backend_reason_ : str
         Why that backend was chosen.
     validation_source_ : str or None

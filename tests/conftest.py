@@ -58,6 +58,24 @@ class SingleLogitMLP(nn.Module):
         return self.mlp(x).squeeze(-1)
 
 
+class TinyCNN(nn.Module):
+    """4 x 4 images (16 features): Conv2d + BatchNorm + ReLU, a residual block
+    (Conv2d + BatchNorm added to its input), average pooling, a linear head."""
+
+    def __init__(self, n_outputs=3, channels=3):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Unflatten(1, (1, 4, 4)), nn.Conv2d(1, channels, 3, padding=1),
+                                  nn.BatchNorm2d(channels), nn.ReLU())
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(channels)
+        self.head = nn.Sequential(nn.AvgPool2d(2), nn.Flatten(), nn.Linear(4 * channels, n_outputs))
+
+    def forward(self, x):
+        h = self.stem(x)
+        h = torch.relu(h + self.bn(self.conv(h)))
+        return self.head(h)
+
+
 # ---------------------------------------------------------------------------------
 # Data
 # ---------------------------------------------------------------------------------
@@ -159,6 +177,28 @@ def clf_net(clf_data):
     """Fitted float64 NeuralNetClassifier (CrossEntropyLoss, logits). Treat as read-only."""
     net = make_skorch_classifier(2, 3, (16,))
     return _train(net, clf_data.X, clf_data.y, seed=2)
+
+
+@pytest.fixture(scope="session")
+def cnn_cases():
+    """``{task: (X, y, X_test, fitted skorch TinyCNN)}`` for "classification" (3
+    classes) and "regression" (one target); float32 nets. Treat as read-only."""
+    rng = np.random.RandomState(3)
+    X = rng.randn(60, 16).astype(np.float32)
+    Xt = rng.randn(10, 16).astype(np.float32)
+    w = rng.randn(16)
+    y_clf = (np.digitize(X @ w, np.quantile(X @ w, [1 / 3, 2 / 3]))).astype(np.int64)
+    y_reg = np.sin(X @ w / 4).astype(np.float32).reshape(-1, 1)
+    out = {}
+    for task, y, cls, crit, C in (
+            ("classification", y_clf, skorch.NeuralNetClassifier, nn.CrossEntropyLoss, 3),
+            ("regression", y_reg, skorch.NeuralNetRegressor, nn.MSELoss, 1)):
+        net = cls(module=TinyCNN, module__n_outputs=C, criterion=crit,
+                  optimizer=torch.optim.Adam, lr=1e-2, max_epochs=30, batch_size=20,
+                  train_split=None, verbose=0)
+        _train(net, X, y, seed=4)
+        out[task] = (X, y.reshape(-1) if task == "regression" else y, Xt, net)
+    return out
 
 
 # ---------------------------------------------------------------------------------

@@ -143,6 +143,26 @@ def test_net_is_never_modified(entry, case, module_guard):
 
 
 # ---------------------------------------------------------------------------------
+# A convolutional net with BatchNorm and a residual block: every default runs
+# ---------------------------------------------------------------------------------
+
+
+@REGISTRY
+def test_defaults_run_on_a_cnn_with_batchnorm_and_residual(entry, cnn_cases):
+    X, y, Xt, net = cnn_cases["classification" if entry.is_classifier else "regression"]
+    est = entry.make(net, device="cpu", random_state=0, batch_size=25).fit(X, y)
+    # the graph backend (conv / BatchNorm / residual), not the torch.func fallback
+    assert getattr(est, "jacobian_backend_", "graph") == "graph", est.jacobian_backend_reason_
+    serial = estimator_outputs(est, Xt)
+    assert all(np.isfinite(o).all() for o in serial)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for r in pool.map(lambda _: estimator_outputs(est, Xt), range(8)):
+            _assert_same(serial, r)
+    if hasattr(est, "projector_curvature_") and est.projector == "lowrank-kfac":
+        assert "BatchNorm2d" in est.projector_curvature_  # KFAC + the exact diagonal
+
+
+# ---------------------------------------------------------------------------------
 # Pickle, determinism, batch size, threads
 # ---------------------------------------------------------------------------------
 

@@ -136,9 +136,14 @@ def test_backend_reasons():
     assert "structured=False" in lin.backend_reason
     soft = nn.Sequential(_mlp(), nn.Softmax(dim=-1))
     lin = LinearizedNet(soft, output_transform="log", example_input=x)
-    assert lin.backend == "functorch"
-    assert lin.backend_reason == ("output_transform='log' is not supported by the "
-                                  "structured path")
+    assert lin.backend == "graph"  # the chain does not take the log; the graph backend does
+    assert lin.backend_reason.startswith("graph of 3 Linear layers")
+    lin_f = LinearizedNet(soft, output_transform="log")  # nothing to check the graph on
+    assert lin_f.backend == "functorch"
+    assert lin_f.backend_reason == (
+        "output_transform='log' is not supported by the structured chain; not a supported "
+        "graph: no example_input to check the graph backend on")
+    _close(lin.ntk(x), lin_f.ntk(x))
     torch.testing.assert_close(lin(x), torch.log_softmax(_mlp()(x), -1).detach())
     lin = LinearizedNet(_mlp())  # no example input: checked on a random probe
     assert lin.backend == "structured" and "random probe" in lin.backend_reason
@@ -324,7 +329,8 @@ def test_last_layer(backend):
     assert last == (["4.weight", "4.bias"] if backend == "structured" else
                     ["l2.weight", "l2.bias"])
     lin = LinearizedNet(net, example_input=x, param_names=last)
-    assert lin.backend == backend and lin.names == last
+    # the LayerNorm held fixed: the graph backend linearises the last nn.Linear
+    assert lin.backend == {"functorch": "graph"}.get(backend, backend) and lin.names == last
     J = _dense_jacobian(net, x, last)
     B, C, P = J.shape
     assert lin.n_params == P

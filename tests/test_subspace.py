@@ -192,6 +192,40 @@ def test_kfac_is_exact_for_one_linear_layer(reg_data):
                                rtol=1e-12)
 
 
+def test_kfac_with_batchnorm_is_kfac_plus_the_exact_diagonal(reg_data):
+    """Parameters outside curvlinops' layers (here BatchNorm's) get the exact GGN
+    diagonal; the Linear layers the same KFAC blocks as without them; no coupling."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 1)).double()
+    net[1].running_mean.uniform_(-0.5, 0.5)
+    net[1].running_var.uniform_(0.5, 2.0)
+    net.eval()
+    X = torch.as_tensor(reg_data.X)
+    y = torch.as_tensor(reg_data.y.reshape(-1, 1))
+    lin = LinearizedNet(net, example_input=X)
+    fd = FitData(lin, Gaussian(S2, 1), reg_data.X, y, batch_size=16)
+    kfac = KFAC(lin, fd)
+    bn = ["1.weight", "1.bias"]
+    assert kfac.diag_names == bn and "BatchNorm1d: 8 parameters" in kfac.description
+    linear = [n for n in lin.names if n not in bn]
+    lin_l = LinearizedNet(net, example_input=X, param_names=linear)
+    kfac_l = KFAC(lin_l, FitData(lin_l, Gaussian(S2, 1), reg_data.X, y, batch_size=16))
+    assert kfac_l.diag is None
+    lin_b = LinearizedNet(net, example_input=X, param_names=bn)
+    d = ggn_diagonal(lin_b, FitData(lin_b, Gaussian(S2, 1), reg_data.X, y, batch_size=16))
+    np.testing.assert_allclose(kfac.diag.numpy(), d.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(np.sort(kfac.eigvals()),
+                               np.sort(np.concatenate([kfac_l.eigvals(), d.numpy()])),
+                               rtol=1e-10)
+    T = torch.randn(lin.n_params, 3, dtype=torch.float64)
+    out = kfac.inverse(S0, S2)(T)
+    is_bn = torch.cat([torch.full((p.numel(),), n in bn) for n, p in net.named_parameters()])
+    np.testing.assert_allclose(out[is_bn].numpy(),
+                               (T[is_bn] / (d / S2 + 1.0 / S0)[:, None]).numpy(), rtol=1e-12)
+    np.testing.assert_allclose(out[~is_bn].numpy(),
+                               kfac_l.inverse(S0, S2)(T[~is_bn]).numpy(), rtol=1e-10)
+
+
 def test_kfac_trace_and_ggn_diagonal_on_an_mlp(clf_data, clf_net, dense_ref):
     lin = LinearizedNet(clf_net.module_, example_input=torch.as_tensor(clf_data.X))
     fd = FitData(lin, Categorical(3), clf_data.X, torch.as_tensor(clf_data.y), batch_size=32)
@@ -458,12 +492,15 @@ def test_clear_errors(reg_data, reg_net):
         def forward(self, x):
             return self.b(torch.tanh(self.n(self.a(x))))
 
-    with pytest.raises(ValueError, match="KFAC.*lowrank-diag"):
-        SubspaceLaplaceRegressor(Normed().double(), device="cpu").fit(X, y)
-    # the other projectors work, with the subspace evidence for an "auto" prior
+    # the default does not raise (issue 31): KFAC for the Linear layers, the exact GGN
+    # diagonal for the LayerNorm's parameters, said in projector_curvature_
+    est = SubspaceLaplaceRegressor(Normed().double(), device="cpu").fit(X, y)
+    assert est.projector_curvature_ == ("KFAC (Linear: 41 parameters) + exact diagonal GGN "
+                                        "(LayerNorm: 16 parameters)")
+    assert est.hyper_trace_["prior_variance_source"] == "kfac_evidence"
     est = SubspaceLaplaceRegressor(Normed().double(), projector="lowrank-diag", subspace_dim=4,
                                    residual_correction=False, device="cpu").fit(X, y)
-    assert "prior_variance_source" not in est.hyper_trace_
+    assert est.projector_curvature_ == "exact diagonal GGN"
 
 
 def test_lowrank_stops_at_the_numerical_rank(reg_data, reg_net):

@@ -47,8 +47,12 @@ def float64_view(lin):
     """``lin`` itself, or a float64 copy of it (projectors are built in float64)."""
     if lin.dtype == torch.float64:
         return lin
+    x = getattr(lin, "_trace_input", None)
+    if x is not None and x.is_floating_point():
+        x = x.double()
     return LinearizedNet(copy.deepcopy(lin.module).double(), lin.device, lin.output_transform,
-                         structured=lin.structured, param_names=list(lin.names))
+                         structured=lin.structured, param_names=list(lin.names),
+                         example_input=x)
 
 
 def _rows(lin, x, lik):
@@ -168,25 +172,58 @@ class _OnePass:
         yield from self.it
 
 
+#: The layers curvlinops' KFAC supports.
+KFAC_LAYERS = (nn.Linear, nn.Conv2d)
+
+
+def _owners(module):
+    """``{parameter name: its module}``."""
+    out = {}
+    for path, m in module.named_modules():
+        for attr, _ in m.named_parameters(recurse=False):
+            out[(path + "." if path else "") + attr] = m
+    return out
+
+
 class KFAC:
-    """KFAC of the GGN (curvlinops, exact type-2 factors) on a float64 copy of the net.
+    """KFAC of the GGN (curvlinops, exact type-2 factors) on a float64 copy of the net,
+    with the exact GGN diagonal for the parameters of layers KFAC does not support.
 
     ``GGN ~ scale * K`` with ``K`` curvlinops' operator: ``scale = 1 / (2 s2)`` for a
     Gaussian likelihood (``MSELoss(reduction="sum")`` has Hessian ``2 I``), 1 otherwise.
+    The parameters of ``nn.Linear`` / ``nn.Conv2d`` layers get KFAC's Kronecker
+    blocks; any other linearised parameter (BatchNorm's weight and bias, a Conv1d,
+    ...) its exact diagonal GGN entry (:func:`ggn_diagonal` of a view of the network
+    linearised in those parameters only: per-example rows of their size, never of
+    ``p``). The approximation is block diagonal, so its eigenvalues are KFAC's and
+    those diagonal entries, and its damped inverse acts block by block.
 
     Parameters
     ----------
     lin : LinearizedNet
     data : FitData
+
+    Attributes
+    ----------
+    description : str
+        Which curvature covers which parameters, in words.
     """
 
     def __init__(self, lin, data):
         from curvlinops import KFACLinearOperator
 
         lik = data.likelihood
+        owners = _owners(lin.module)
+        kfac_names = [n for n in lin.names if type(owners[n]) in KFAC_LAYERS]
+        rest = [n for n in lin.names if n not in set(kfac_names)]
+        if not kfac_names:
+            raise UnsupportedKFAC(
+                "KFAC (curvlinops) supports only nn.Linear and nn.Conv2d layers, and this "
+                "network has no linearised parameter in one; use projector='lowrank-diag' "
+                "or a subset projector")
         mod = _Outputs(copy.deepcopy(lin.module).double(), lin.output_transform)
         named = dict(mod.m.named_parameters())
-        params = [named[n] for n in lin.names]
+        params = [named[n] for n in kfac_names]
         for p in params:
             p.requires_grad_(True)
         if lik.task == "regression":
@@ -202,22 +239,21 @@ class KFAC:
             self.mapping = KFACLinearOperator.compute_parameter_mapping(params, mod)
         except NotImplementedError as exc:
             raise UnsupportedKFAC(
-                "KFAC (curvlinops) supports only nn.Linear and nn.Conv2d layers, and this "
-                "network has linearised parameters in other layers; use "
-                "projector='lowrank-diag' or a subset projector") from exc
+                f"KFAC (curvlinops) could not handle this network's nn.Linear / nn.Conv2d "
+                f"layers ({exc}); use projector='lowrank-diag' or a subset projector") from exc
         bernoulli = data.n_outputs == 1 and lik.task != "regression"
         if not data.is_dask:
-            self.op = _kfac_operator(mod, loss, lin.names, _Batches(data, bernoulli),
+            self.op = _kfac_operator(mod, loss, kfac_names, _Batches(data, bernoulli),
                                      data.n_samples)
             self.op.compute_kronecker_factors()
         else:
             # The type-2 factors with num_data = N fixed are sums over rows (checked to
             # 1e-15 against one pass): one operator per partition on the workers, the
             # factors added on the client and loaded into an operator built on one row.
-            sums = data.reduce(_kfac_factors, (pickle.dumps(mod), loss, list(lin.names),
+            sums = data.reduce(_kfac_factors, (pickle.dumps(mod), loss, list(kfac_names),
                                                data.n_samples, bernoulli))
             first = list(_curvlinops_batches([data.rows(slice(0, 1))], bernoulli))
-            self.op = _kfac_operator(mod, loss, lin.names, first, data.n_samples)
+            self.op = _kfac_operator(mod, loss, kfac_names, first, data.n_samples)
             self.op.compute_kronecker_factors()
             state = self.op.state_dict()
             keys = _factor_keys(state)
@@ -226,6 +262,30 @@ class KFAC:
             self.op.load_state_dict(state)
         self.names = list(lin.names)
         self.shapes = [named[n].shape for n in lin.names]
+        self.kfac_names, self.diag_names = kfac_names, rest
+        offsets, start = {}, 0
+        for n in lin.names:
+            offsets[n] = (start, start + named[n].numel())
+            start += named[n].numel()
+
+        def index(names):
+            return torch.cat([torch.arange(*offsets[n]) for n in names]).to(lin.device)
+
+        self._kfac_idx = index(kfac_names)
+        self._diag_idx = index(rest) if rest else None
+        self.diag = None
+        kinds = sorted({type(owners[n]).__name__ for n in kfac_names})
+        n_k = int(self._kfac_idx.numel())
+        self.description = f"KFAC ({', '.join(kinds)}: {n_k} parameters)"
+        if rest:
+            x = getattr(lin, "_trace_input", None)
+            sub = LinearizedNet(lin.module, lin.device, lin.output_transform,
+                                structured=lin.structured, param_names=rest,
+                                example_input=x)
+            self.diag = ggn_diagonal(sub, data)
+            kinds = sorted({type(owners[n]).__name__ for n in rest})
+            self.description += (f" + exact diagonal GGN ({', '.join(kinds)}: "
+                                 f"{self.diag.numel()} parameters)")
 
     def eigvals(self):
         """Eigenvalues of the unit-noise KFAC GGN (``p`` of them), float64 numpy."""
@@ -239,7 +299,10 @@ class KFAC:
                 out.append(torch.outer(eg, ea).reshape(-1))
             else:
                 out.append(eg)
-        return (torch.cat(out) * self.unit_scale).cpu().numpy()
+        ev = torch.cat(out) * self.unit_scale
+        if self.diag is not None:  # already the unit-noise GGN's
+            ev = torch.cat([ev, self.diag.to(ev.device)])
+        return ev.cpu().numpy()
 
     def inverse(self, prior_variance, noise_variance=None):
         """``Psi_approx = (c K + I / s0^2)^-1`` as a map on (p, k) float64 matrices."""
@@ -248,11 +311,23 @@ class KFAC:
         c = self.unit_scale / (noise_variance if noise_variance is not None else 1.0)
         inv = KFACInverseLinearOperator(self.op, damping=1.0 / (prior_variance * c),
                                         use_exact_damping=True)
+        if self.diag is None:
+            def apply(T):
+                return inv @ T.to(self.op.dtype) / c
 
-        def apply(T):
-            return inv @ T.to(self.op.dtype) / c
+            return apply
+        s2 = noise_variance if noise_variance is not None else 1.0
+        var = 1.0 / (self.diag / s2 + 1.0 / prior_variance)
+        ki, di = self._kfac_idx, self._diag_idx
 
-        return apply
+        def apply_mixed(T):
+            T = T.to(self.op.dtype)
+            out = torch.empty_like(T)
+            out[ki] = inv @ T[ki].contiguous() / c
+            out[di] = T[di] * var.to(T.device, T.dtype)[:, None]
+            return out
+
+        return apply_mixed
 
 
 def swag_variances(lin, data, likelihood, prior_variance, learning_rate, n_steps, generator):

@@ -17,10 +17,14 @@ trainable ones (``requires_grad=True`` in the user's module), or an explicit sub
 (``param_names``, e.g. :func:`~sklearn_lla._network.resolve.last_layer_param_names`
 for last-layer LLA); the other parameters are held fixed like buffers.
 
-The backend is chosen once, at construction, and reported in ``backend`` /
-``backend_reason``: networks that are chains of ``nn.Linear`` layers and elementwise
-maps use :mod:`sklearn_lla._network.structured.chain`, which never forms Jacobian rows; every other
-architecture uses ``torch.func`` (reverse mode only).
+The products are computed by a Jacobian backend
+(:class:`~sklearn_lla._network.backends.base.JacobianBackend`), chosen once, at
+construction, and reported in ``backend`` / ``backend_reason``: networks that are
+chains of ``nn.Linear`` layers and elementwise maps use
+:mod:`sklearn_lla._network.backends.chain`, which never forms Jacobian rows; every
+other architecture uses the generic ``torch.func`` backend (reverse mode only). The
+methods here cast inputs, check arguments and delegate; nothing outside this
+package looks at which backend it is.
 
 Thread safety: every method may be called from several threads at once. No
 forward-mode AD is used (its dual levels are process-global); ``torch.func`` transforms
@@ -36,8 +40,11 @@ import threading
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, jacrev, vjp, vmap
+from torch.func import functional_call
 
+from .backends.base import JacobianBackend, Rows
+from .backends.chain import ChainBackend
+from .backends.graph import GraphBackend
 from .structured.chain import StructuredChain
 from .structured.jacobian import StructuredJacobian
 from .structured.trace import share_copy
@@ -134,13 +141,18 @@ class LinearizedNet:
         The linearised parameters' floating dtype; floating inputs are cast to it.
     device : torch.device
     output_transform : str
+    jacobian_backend : JacobianBackend
+        The object that computes the Jacobian products.
     backend : {"structured", "functorch"}
-        Which implementation computes the Jacobian products.
+        Its name.
     backend_reason : str
         Why, in words (e.g. ``"chain of 4 nn.Linear layers and elementwise maps"``, or
         ``"not a chain: module LayerNorm at 'norm' is not supported: ..."``).
     chain : StructuredChain or None
         The structured representation when ``backend == "structured"``.
+    factored : bool
+        Whether :meth:`rows` returns compact per-layer factors (cheap to keep for
+        many points) rather than dense rows.
 
     Notes
     -----
@@ -247,21 +259,52 @@ class LinearizedNet:
         self.forward(x)
         self.forward(torch.cat([x, x[:1]]))
 
+    def _use(self, backend: JacobianBackend) -> None:
+        self.jacobian_backend = backend
+        self.backend = backend.name
+        self.backend_reason = backend.reason
+
+    def _generic(self, reason: str) -> None:
+        self._use(JacobianBackend(self, reason))
+
+    @property
+    def chain(self) -> StructuredChain | None:
+        """The structured chain, when the structured backend computes the products."""
+        return getattr(self.jacobian_backend, "chain", None)
+
+    @property
+    def factored(self) -> bool:
+        """Whether :meth:`rows` returns compact factors rather than dense rows."""
+        return bool(self.jacobian_backend.factored)
+
+    @property
+    def thread_safe(self) -> bool:
+        """Whether the backend's products may run from several threads at once."""
+        return bool(self.jacobian_backend.thread_safe)
+
+    def _graph_or_generic(self, x: Tensor | None, why_not_chain: str) -> None:
+        """The graph backend when it supports the network, else torch.func."""
+        if x is not None:
+            self._trace_input = x[:2]
+        graph, reason = GraphBackend.build(self, x)
+        if graph is not None:
+            self._use(graph)
+        else:
+            self._generic(f"{why_not_chain}; not a supported graph: {reason}")
+
     def _select_backend(self, x: Tensor | None) -> None:
         """Decide, once, between the structured chain and torch.func."""
-        self.chain = None
         self._trace_input = None
         if not self.structured:
-            self.backend, self.backend_reason = "functorch", "structured=False was requested"
+            self._generic("structured=False was requested")
             return
         if self.output_transform != "identity":
-            self.backend = "functorch"
-            self.backend_reason = (f"output_transform={self.output_transform!r} is not "
-                                   "supported by the structured path")
+            self._graph_or_generic(x, f"output_transform={self.output_transform!r} is not "
+                                   "supported by the structured chain")
             return
         chain, reason = StructuredChain.trace(self.module, x)
         if chain is None:
-            self.backend, self.backend_reason = "functorch", f"not a chain: {reason}"
+            self._graph_or_generic(x, f"not a chain: {reason}")
             return
         if x is not None:  # one row more than traced or checked before: another size
             probe = torch.cat([x, x[:1]])
@@ -275,26 +318,23 @@ class LinearizedNet:
         tol = 1e-5 * (1.0 + ref.abs().max().item())
         if got.shape != ref.shape or not torch.allclose(got, ref, rtol=1e-4, atol=tol):
             err = (got - ref).abs().max().item() if got.shape == ref.shape else float("nan")
-            self.backend = "functorch"
-            self.backend_reason = (
+            self._generic(
                 "the structured chain did not reproduce the network's outputs on "
                 f"{'example_input' if x is not None else 'a random probe'} "
                 f"(shapes {tuple(got.shape)} / {tuple(ref.shape)}, max difference {err:.3g})"
             )
             return
-        self.chain = chain
         self._trace_input = (x[:2] if x is not None else None)
-        self.backend = "structured"
-        self.backend_reason = chain.description + (
+        self._use(ChainBackend(self, chain, chain.description + (
             "" if x is not None else
             " (checked on a random probe input; pass example_input to check on real inputs)"
-        )
+        )))
 
     def __getstate__(self):
         # The tensors are pickled once, with the module; the per-thread modules and
-        # the traced chain are rebuilt on load.
+        # the backend (e.g. a traced chain) are rebuilt on load.
         state = self.__dict__.copy()
-        for key in ("chain", "_local", "_all_params", "buffers", "fixed_params"):
+        for key in ("jacobian_backend", "_local", "_all_params", "buffers", "fixed_params"):
             state.pop(key, None)
         state["params"] = list(self.params)
         return state
@@ -307,15 +347,22 @@ class LinearizedNet:
         self.params = {n: self._all_params[n] for n in state["params"]}
         self.fixed_params = {n: p for n, p in self._all_params.items() if n not in self.params}
         self.buffers = {n: b.detach() for n, b in self.module.named_buffers()}
-        self.chain = None
         if self.backend == "structured":
             chain, reason = StructuredChain.trace(self.module, self._trace_input)
             if chain is None:
-                self.backend = "functorch"
-                self.backend_reason = ("the structured chain could not be rebuilt after "
-                                       f"unpickling: {reason}")
+                self._generic("the structured chain could not be rebuilt after "
+                              f"unpickling: {reason}")
             else:
-                self.chain = chain
+                self._use(ChainBackend(self, chain, self.backend_reason))
+        elif self.backend == "graph":
+            graph, reason = GraphBackend.build(self, self._trace_input)
+            if graph is None:
+                self._generic("the graph backend could not be rebuilt after unpickling: "
+                              f"{reason}")
+            else:
+                self._use(graph)
+        else:
+            self._generic(self.backend_reason)
 
     # ------------------------------------------------------------------ basics
     def _module(self) -> nn.Module:
@@ -451,25 +498,27 @@ class LinearizedNet:
         jv : Tensor of shape (B, C, K)
             ``jv[b, :, k] = J(x_b) t_k``.
         """
-        x = self._input(x)
-        T = self._tangents(tangents)
-        if self.chain is not None:
-            with torch.no_grad():
-                return self.chain.jvp(self._all_params, self.buffers, x, T)
-        K = next((t.shape[0] for t in T.values()), None)
-        if K is None:
-            raise ValueError("tangents is empty")
-        for n in self.names:
-            if n not in T:
-                T[n] = torch.zeros((), dtype=self.dtype, device=self.device).expand(
-                    K, *self.params[n].shape)
-        # J t = d/du <J^T u, t>: the VJP of the (linear) VJP map, batched over tangents.
-        # Reverse mode only: forward-mode dual levels are process-global, not per thread.
-        g, vjp_fn = vjp(lambda p: self._g(p, x), self.params)
-        _, vjp_t = vjp(lambda u: vjp_fn(u)[0], torch.zeros_like(g))
-        with torch.no_grad():
-            (jv,) = vmap(vjp_t)(T)
-        return g.detach(), jv.permute(1, 2, 0)
+        return self.jacobian_backend.jvp(self._input(x), self._tangents(tangents))
+
+    def jvp_and_ntk_diag(self, x: Tensor, tangents) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`jvp` and :meth:`ntk_diag_blocks` at the same ``x``, sharing the work
+        where the backend can (one evaluation of the Jacobian rows).
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, ...)
+            Input batch.
+        tangents : Tensor of shape (K, P) or dict of (K, *param_shape)
+            As in :meth:`jvp`.
+
+        Returns
+        -------
+        g : Tensor of shape (B, C)
+        jv : Tensor of shape (B, C, K)
+        blocks : Tensor of shape (B, C, C), dtype float64
+        """
+        return self.jacobian_backend.jvp_and_ntk_diag(self._input(x),
+                                                      self._tangents(tangents))
 
     def vjp(self, x: Tensor, cotangents: Tensor) -> dict:
         """Compute vector-Jacobian products ``sum_b J(x_b)^T u_k[b]``.
@@ -486,25 +535,7 @@ class LinearizedNet:
         dict of str to Tensor of shape (K, *param_shape)
             One entry per linearised parameter, in :attr:`names` order.
         """
-        x = self._input(x)
-        cotangents = cotangents.to(self.dtype)
-        if self.chain is not None:
-            with torch.no_grad():
-                return self.chain.vjp(self._all_params, self.buffers, x, cotangents,
-                                      self.names)
-        _, fn = vjp(lambda p: self._g(p, x), self.params)
-        with torch.no_grad():
-            (grads,) = vmap(fn)(cotangents)
-        return grads
-
-    def _jacobian_dense(self, x: Tensor) -> Tensor:
-        def single(p, xi):
-            return self._g(p, xi.unsqueeze(0)).squeeze(0)
-
-        jac = vmap(jacrev(single), in_dims=(None, 0))(self.params, x)
-        B = x.shape[0]
-        C = next(iter(jac.values())).shape[1]
-        return torch.cat([jac[n].reshape(B, C, -1) for n in self.names], dim=2)
+        return self.jacobian_backend.vjp(self._input(x), cotangents.to(self.dtype))
 
     def jacobian(self, x: Tensor) -> Tensor:
         """Compute per-example Jacobians (see :meth:`jacobian_chunks` for many points).
@@ -519,12 +550,7 @@ class LinearizedNet:
         Tensor of shape (B, C, P)
             Columns in :attr:`names` order, in the network's dtype.
         """
-        x = self._input(x)
-        with torch.no_grad():
-            if self.chain is not None:
-                F = self.factored_jacobian(x)
-                return F.dense().reshape(x.shape[0], -1, self.n_params)
-            return self._jacobian_dense(x)
+        return self.jacobian_backend.jacobian(self._input(x))
 
     def chunk_size(self, n_outputs: int, budget: int = JACOBIAN_CHUNK_ELEMENTS) -> int:
         """Count the points whose Jacobian rows fit in a memory budget.
@@ -568,6 +594,50 @@ class LinearizedNet:
             sl = slice(start, min(start + step, X.shape[0]))
             yield sl, self.jacobian(X[sl])
 
+    def _out_idx(self, x: Tensor, out_idx) -> Tensor:
+        out_idx = torch.as_tensor(out_idx, device=x.device).long().reshape(-1)
+        if out_idx.shape[0] != x.shape[0]:
+            raise ValueError(f"out_idx must have shape ({x.shape[0]},), "
+                             f"got {tuple(out_idx.shape)}")
+        return out_idx
+
+    def rows(self, x: Tensor, out_idx: Tensor | None = None, *,
+             differentiable: bool = False) -> Rows:
+        """Jacobian rows at ``x``, in the backend's representation.
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, ...)
+            Input batch; floating inputs are cast to :attr:`dtype`.
+        out_idx : LongTensor of shape (B,), optional
+            ``None``: all ``C`` outputs, rows ``b * C + c``; else the gradient of
+            output ``out_idx[b]`` only, one row per point.
+        differentiable : bool, default=False
+            Keep the autograd graph from ``x`` to the rows (second derivatives of the
+            network), e.g. to learn inducing inputs through a kernel of the rows.
+
+        Returns
+        -------
+        Rows
+            Dense rows, or per-layer factors when :attr:`factored`; either way with
+            ``gram``, ``cross_gram`` (differentiable), ``diag_blocks``, ``vjp``,
+            ``matmul`` and ``dense``.
+        """
+        x = self._input(x)
+        if out_idx is not None:
+            out_idx = self._out_idx(x, out_idx)
+        return self.jacobian_backend.rows(x, out_idx, differentiable)
+
+    def row_elements(self) -> int:
+        """Elements one Jacobian row holds in :meth:`rows`' representation.
+
+        Returns
+        -------
+        int
+            ``P`` for dense rows, far fewer for factored ones.
+        """
+        return int(self.jacobian_backend.row_elements())
+
     def factored_jacobian(self, x: Tensor, out_idx: Tensor | None = None, *,
                           differentiable: bool = False) -> StructuredJacobian:
         """Factor the Jacobian rows at ``x`` without forming them (structured backend).
@@ -597,9 +667,7 @@ class LinearizedNet:
         if self.chain is None:
             raise RuntimeError(f"factored Jacobians need the structured backend; this "
                                f"network uses {self.backend!r} ({self.backend_reason})")
-        with torch.set_grad_enabled(differentiable and torch.is_grad_enabled()):
-            return self.chain.features(self._all_params, self.buffers, self._input(x),
-                                       out_idx, self.names, differentiable=differentiable)
+        return self.jacobian_backend.rows(self._input(x), out_idx, differentiable)
 
     def jacobian_rows(self, x: Tensor, out_idx: Tensor, *,
                       differentiable: bool = False) -> Tensor:
@@ -621,20 +689,8 @@ class LinearizedNet:
             Columns in :attr:`names` order, in the network's dtype.
         """
         x = self._input(x)
-        out_idx = torch.as_tensor(out_idx, device=x.device).long().reshape(-1)
-        if out_idx.shape[0] != x.shape[0]:
-            raise ValueError(f"out_idx must have shape ({x.shape[0]},), "
-                             f"got {tuple(out_idx.shape)}")
-        if self.chain is not None:
-            return self.factored_jacobian(x, out_idx, differentiable=differentiable).dense()
-        onehot = torch.nn.functional.one_hot(out_idx, self.n_outputs(x)).to(self.dtype)
-
-        def out(p, xi, oi):
-            return (self._g(p, xi.unsqueeze(0))[0] * oi).sum()
-
-        with torch.set_grad_enabled(differentiable and torch.is_grad_enabled()):
-            jac = vmap(jacrev(out), in_dims=(None, 0, 0))(self.params, x, onehot)
-        return torch.cat([jac[n].reshape(x.shape[0], -1) for n in self.names], dim=1)
+        return self.jacobian_backend.jacobian_rows(x, self._out_idx(x, out_idx),
+                                                   differentiable)
 
     def ntk(self, x1: Tensor, x2: Tensor | None = None,
             out1: Tensor | None = None, out2: Tensor | None = None) -> Tensor:
@@ -653,23 +709,9 @@ class LinearizedNet:
         Tensor of shape (rows1, rows2), dtype float64
             The kernel block.
         """
-        same = x2 is None
-        if same:
-            x2, out2 = x1, out1
-        x1, x2 = self._input(x1), self._input(x2)
-        if self.chain is not None:
-            with torch.no_grad():
-                F1 = self.factored_jacobian(x1, out1)
-                F2 = F1 if same else self.factored_jacobian(x2, out2)
-                return F1.gram(F2)
-        R1 = self._generic_rows(x1, out1)
-        R2 = R1 if same else self._generic_rows(x2, out2)
-        return R1 @ R2.T
-
-    def _generic_rows(self, x, out_idx):
-        if out_idx is None:
-            return self.jacobian(x).to(_F64).reshape(-1, self.n_params)
-        return self.jacobian_rows(x, out_idx).to(_F64)
+        x1 = self._input(x1)
+        x2 = None if x2 is None else self._input(x2)
+        return self.jacobian_backend.ntk(x1, x2, out1, out2)
 
     def gradient_rows_vjp(self, x: Tensor, out_idx: Tensor, U: Tensor) -> dict:
         """Compute ``R^T U`` where ``R`` holds the rows ``grad g_{out_idx[m]}(x_m)``.
@@ -688,15 +730,8 @@ class LinearizedNet:
         dict of str to Tensor of shape (K, *param_shape)
             One entry per linearised parameter, in :attr:`names` order.
         """
-        x = self._input(x)
-        U = U.to(self.dtype)
-        if self.chain is not None:
-            with torch.no_grad():
-                return self.factored_jacobian(x, out_idx).vjp(U)
-        C = self.n_outputs(x)
-        onehot = torch.nn.functional.one_hot(out_idx, C).to(self.dtype)  # (M, C)
-        cot = U.T[:, :, None] * onehot[None]  # (K, M, C)
-        return self.vjp(x, cot)
+        return self.jacobian_backend.gradient_rows_vjp(self._input(x), out_idx,
+                                                       U.to(self.dtype))
 
     def kernel(self, X1: Tensor, X2: Tensor | None = None,
                n_outputs: int | None = None, dtype=torch.float64,
@@ -725,32 +760,8 @@ class LinearizedNet:
             The Gram matrix, of dtype ``dtype``.
         """
         C = n_outputs or self.n_outputs(X1)
-        same = X2 is None
-        if same:
-            X2, out2 = X1, out1
-        r1 = 1 if out1 is not None else C
-        r2 = 1 if out2 is not None else C
-        step = self.chunk_size(C) if self.chain is None else 4096
-        n1, n2 = X1.shape[0], X2.shape[0]
-        out = torch.empty((n1 * r1, n2 * r2), dtype=dtype, device=self.device)
-
-        def sel(o, s):
-            return None if o is None else o[s]
-
-        for i in range(0, n1, step):
-            si = slice(i, min(i + step, n1))
-            for j in range(0, n2, step):
-                if same and j < i:
-                    continue
-                sj = slice(j, min(j + step, n2))
-                if same and i == j:
-                    blk = self.ntk(X1[si], None, sel(out1, si))
-                else:
-                    blk = self.ntk(X1[si], X2[sj], sel(out1, si), sel(out2, sj))
-                out[si.start * r1:si.stop * r1, sj.start * r2:sj.stop * r2] = blk
-                if same and j > i:
-                    out[sj.start * r2:sj.stop * r2, si.start * r1:si.stop * r1] = blk.T
-        return out
+        X2 = None if X2 is None else self._input(X2)
+        return self.jacobian_backend.kernel(self._input(X1), X2, C, dtype, out1, out2)
 
     def ntk_diag_blocks(self, x: Tensor) -> Tensor:
         """Compute the per-point NTK blocks ``J(x_b) J(x_b)^T``, in float64.
@@ -765,12 +776,25 @@ class LinearizedNet:
         Tensor of shape (B, C, C), dtype float64
             One block per point.
         """
-        x = self._input(x)
-        if self.chain is not None:
-            with torch.no_grad():
-                return self.factored_jacobian(x).diag_blocks()
-        out = []
-        for _, J in self.jacobian_chunks(x, self.n_outputs(x)):
-            J = J.to(_F64)
-            out.append(J @ J.transpose(1, 2))
-        return torch.cat(out)
+        return self.jacobian_backend.ntk_diag_blocks(self._input(x))
+
+    def cross_and_diag(self, x: Tensor, rows: Rows, n_outputs: int) -> tuple[Tensor, Tensor]:
+        """Pair all outputs at ``x`` with given rows, and their own diagonal blocks.
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, ...)
+            Input batch.
+        rows : Rows
+            From :meth:`rows` (e.g. inducing points'; may carry an autograd graph).
+        n_outputs : int
+            ``C``.
+
+        Returns
+        -------
+        cross : Tensor of shape (B, C, n_rows), dtype float64
+            ``J(x) R^T``, differentiable w.r.t. what ``rows`` depends on.
+        blocks : Tensor of shape (B, C, C), dtype float64
+            ``J(x_b) J(x_b)^T``.
+        """
+        return self.jacobian_backend.cross_and_diag(self._input(x), rows, n_outputs)

@@ -55,7 +55,7 @@ OUTSIDE_RTOL = 1e-6
 
 def supports_kfac_complement(lin) -> bool:
     """Whether ``lin`` has factored Jacobians (the structured backend)."""
-    return getattr(lin, "chain", None) is not None
+    return getattr(lin, "backend", None) == "structured"
 
 
 def _abar(layer, act):

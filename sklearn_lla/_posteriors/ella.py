@@ -53,11 +53,44 @@ AUTO_COST_BUDGET = 2**21
 AUTO_MIN_COMPONENTS = 20
 
 
+#: Elements (network dtype) of the ``M`` Nystrom rows held at once to reuse them for
+#: ``V`` (factored rows hold far fewer than ``M x P``).
+ROWS_HELD = 2**26
+
+
+def _top_eigh(Kt, k):
+    """The top ``k`` eigenpairs of the symmetric ``Kt``, in descending order.
+
+    On the CPU, when ``k`` is well below the size, LAPACK's ``syevr`` computes only
+    those (3.5x faster than a full ``eigh`` at M = 2000, k = 54, measured); otherwise,
+    or if it fails, the full :func:`safe_eigh`.
+    """
+    M = Kt.shape[0]
+    if Kt.device.type == "cpu" and 4 * k <= M:
+        import scipy.linalg
+
+        A = (0.5 * (Kt + Kt.T)).double().numpy()
+        if np.isfinite(A).all():
+            try:
+                lam, U = scipy.linalg.eigh(A, subset_by_index=[M - k, M - 1], driver="evr",
+                                           check_finite=False)
+                if np.isfinite(lam).all():
+                    lam = torch.from_numpy(lam[::-1].copy())
+                    return lam, torch.from_numpy(np.ascontiguousarray(U[:, ::-1]))
+            except (np.linalg.LinAlgError, ValueError):
+                pass
+    lam, U = safe_eigh(Kt, "Nystrom Gram matrix")
+    return lam.flip(0), U.flip(1)
+
+
 def _top_eigenpairs(Kt, n_components, n_params):
     """Top eigenpairs of the PSD Gram ``Kt`` (float64); ``K`` fixed or ``"auto"``."""
-    lam, U = safe_eigh(Kt, "Nystrom Gram matrix")
-    lam, U = lam.flip(0), U.flip(1)
-    M = len(lam)
+    M = Kt.shape[0]
+    if n_components == "auto":
+        cap = max(AUTO_MIN_COMPONENTS, AUTO_COST_BUDGET // max(1, n_params))
+    else:
+        cap = int(n_components)
+    lam, U = _top_eigh(Kt, min(M, cap))
     tol = max(float(lam[0]), 0.0) * M * torch.finfo(torch.float64).eps * 10
     positive = int((lam > tol).sum())
     if positive == 0:
@@ -115,9 +148,18 @@ def nystrom_basis(lin, data, n_nystrom, n_components, generator, chunk=4096, pai
         idx, out = flat // C, flat % C
     Xm, _ = data.rows(idx)
     out_t = torch.as_tensor(out, device=Xm.device)
-    Kt = lin.kernel(Xm, n_outputs=C, out1=out_t)
+    rows = None
+    if len(idx) * lin.row_elements() <= ROWS_HELD:
+        # the M rows fit: computed once, for the Gram and for V = Jt^T U
+        with torch.no_grad():
+            rows = lin.rows(Xm, out_t)
+        Kt = rows.gram()
+    else:
+        Kt = lin.kernel(Xm, n_outputs=C, out1=out_t)
     lam, U = _top_eigenpairs(Kt, n_components, lin.n_params)
     Us = (U / lam.sqrt()).to(lin.dtype)
+    if rows is not None:
+        return rows.vjp(Us), lam, (idx, out)
     V = None
     for s in range(0, len(idx), chunk):
         part = lin.gradient_rows_vjp(Xm[s:s + chunk], out_t[s:s + chunk], Us[s:s + chunk])
@@ -164,3 +206,8 @@ class NystromFeatures(Features):
     def __call__(self, x):
         g, phi = self.lin.jvp(x, self.V)
         return g.double(), phi.double()
+
+    def with_ntk_diag(self, x):
+        """``(g, phi, J(x) J(x)^T)`` from one evaluation of the Jacobian at ``x``."""
+        g, phi, k = self.lin.jvp_and_ntk_diag(x, self.V)
+        return g.double(), phi.double(), k

@@ -87,6 +87,11 @@ class Features(abc.ABC):
         """Per-point NTK blocks ``J(x) J(x)^T`` (B, C, C), float64."""
         return self.lin.ntk_diag_blocks(x).double()
 
+    def with_ntk_diag(self, x: torch.Tensor):
+        """``(g, phi, ntk_diag(x))``; subclasses share the work on ``x`` where they can."""
+        g, phi = self(x)
+        return g, phi, self.ntk_diag(x)
+
 
 class JacobianFeatures(Features):
     """``V = I``: the features are the Jacobian rows themselves (``K = P``).
@@ -143,6 +148,11 @@ class ProjectionFeatures(Features):
     def __call__(self, x):
         g, phi = self.lin.jvp(x, self._tangents)
         return g.double(), phi.double()
+
+    def with_ntk_diag(self, x):
+        """``(g, phi, J(x) J(x)^T)`` from one evaluation of the Jacobian at ``x``."""
+        g, phi, k = self.lin.jvp_and_ntk_diag(x, self._tangents)
+        return g.double(), phi.double(), k
 
 
 def phi_lam(lik, g, phi):
@@ -202,14 +212,16 @@ def _batch_ggn_trace(feats, lik, x):
     return float(torch.einsum("bck,bcd,bdk->", A, K, A))
 
 
-def _residual_kernel(feats, W, x, phi):
-    """``k(x, x) - phi R^-1 phi^T`` per point: the NTK outside span(V) (C x C, symmetric)."""
+def _residual_kernel(feats, W, x, phi, kdiag=None):
+    """``k(x, x) - phi R^-1 phi^T`` per point: the NTK outside span(V) (C x C, symmetric).
+
+    ``kdiag``: ``k(x, x)`` when already computed."""
     if W is None:
         inside = phi @ phi.transpose(1, 2)
     else:
         pw = phi @ W
         inside = pw @ pw.transpose(1, 2)
-    res = feats.ntk_diag(x) - inside
+    res = (feats.ntk_diag(x) if kdiag is None else kdiag.double()) - inside
     return 0.5 * (res + res.transpose(1, 2))
 
 
@@ -666,14 +678,18 @@ class GLMPosterior(Posterior):
 
     def predict(self, x):
         """Latent predictive ``N(g(x), phi T diag(d) T^T phi^T)`` at a batch ``x``."""
-        g, phi = self.features(x)
+        if self.complement is None and self.residual_correction:
+            g, phi, kdiag = self.features.with_ntk_diag(x)
+        else:
+            (g, phi), kdiag = self.features(x), None
         psi = phi @ self.T
         cov = torch.einsum("bck,k,bdk->bcd", psi, self.d, psi)
         if self.complement is not None:
             cov = cov + self.complement.covariance(x, _orthonormal(phi, self._W),
                                                    self.prior_variance, self._noise())
         elif self.residual_correction:
-            cov = cov + self.prior_variance * _residual_kernel(self.features, self._W, x, phi)
+            cov = cov + self.prior_variance * _residual_kernel(self.features, self._W, x, phi,
+                                                               kdiag)
         return LatentPredictive(g, 0.5 * (cov + cov.transpose(1, 2)))
 
     def predict_joint(self, x):

@@ -322,7 +322,7 @@ class SubspacePosterior(GLMPosterior):
     """
 
     fitted_attributes = GLMPosterior.fitted_attributes + (
-        "projector_rows", "projector_eigvals", "projector_prior_variance",
+        "projector_rows", "projector_eigvals", "projector_curvature", "projector_prior_variance",
         "projector_noise_variance", "subset_indices")
 
     def __init__(self, projector, subspace_dim="auto", prior_variance="auto",
@@ -406,6 +406,10 @@ class SubspacePosterior(GLMPosterior):
             except UnsupportedKFAC:
                 if name == "lowrank-kfac":
                     raise
+        self.projector_curvature = {
+            "lowrank-kfac": kfac.description if kfac is not None else None,
+            "lowrank-diag": "exact diagonal GGN", "subset-diagonal": "exact diagonal GGN",
+            "optimal": "full GGN"}.get(name)
         s0, s2 = self._hyper_for_projector(lin, data, kfac)
         self.projector_prior_variance, self.projector_noise_variance = s0, s2
         scale = 1.0 / s2 if s2 is not None else 1.0

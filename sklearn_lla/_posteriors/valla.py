@@ -9,7 +9,7 @@ approximates that GP by the fixed-mean sparse variational GP of
 alpha-energy (alpha = 1), stopping early on the validation NLL. Nothing here touches
 more than one minibatch of the data per step, so a step costs the same for any N.
 
-The kernel (:class:`NTKKernel`) is evaluated
+The kernel (:class:`NTKKernel`) is evaluated by the network's Jacobian backend:
 
 * for chains of ``nn.Linear`` layers and elementwise maps by the layer-wise closed
   form ``sum_l (delta_l(x) . delta_l(z)) (a_l(x) . a_l(z) + 1)`` of the thesis'
@@ -22,7 +22,7 @@ The kernel (:class:`NTKKernel`) is evaluated
   w.r.t. ``Z``) and the minibatch's ``J(x)`` in memory-bounded chunks.
 
 Prediction precomputes what depends only on the fitted state: the inducing factors
-for the structured kernel, or the parameter-space basis ``U = J(Z)^T W^T`` (P x M,
+for a backend with factored rows, or the parameter-space basis ``U = J(Z)^T W^T`` (P x M,
 ``A = W^T W``) for the generic one, so ``Kxz W^T = s0^2 J(x) U`` is one forward pass
 with ``M`` tangents (as ELLA's predict).
 """
@@ -64,6 +64,10 @@ START_JITTER = 1e-6
 class NTKKernel(Kernel):
     """The scaled NTK ``s0^2 J_c(x) J_c'(z)^T`` over (input, output index) pairs.
 
+    Every product comes from the network's Jacobian backend (``lin.rows``,
+    ``lin.cross_and_diag``, ...): per-layer factors for a structured network, dense
+    rows otherwise.
+
     Parameters
     ----------
     lin : LinearizedNet
@@ -76,21 +80,15 @@ class NTKKernel(Kernel):
         ``s0^2`` (the initial value when learned).
     learn_prior : bool, default=False
         Whether ``log s0^2`` is a trainable parameter.
-    structured : bool or None, default=None
-        Use the layer-wise closed form (``None``: whenever the network is a
-        structured chain, ``lin.backend == "structured"``).
     """
 
-    def __init__(self, lin, n_outputs, input_shape, prior_variance=1.0, learn_prior=False,
-                 structured=None):
+    def __init__(self, lin, n_outputs, input_shape, prior_variance=1.0, learn_prior=False):
         self.lin = lin
         self.n_outputs = int(n_outputs)
         self.input_shape = tuple(int(s) for s in input_shape)
         self.learn_prior = bool(learn_prior)
         self.log_prior_variance = torch.tensor(math.log(float(prior_variance)), dtype=_F64,
                                                device=lin.device, requires_grad=self.learn_prior)
-        can = lin.chain is not None
-        self.structured = can if structured is None else bool(structured) and can
 
     # -- interface -------------------------------------------------------------------
     def parameters(self):
@@ -108,15 +106,14 @@ class NTKKernel(Kernel):
     def _z_input(self, z):
         return z.reshape(z.shape[0], *self.input_shape)
 
+    def _z_rows(self, z, cz, differentiable=None):
+        """The rows ``grad g_cz[m](z_m)`` (differentiable w.r.t. ``z`` when it requires grad)."""
+        diff = z.requires_grad if differentiable is None else differentiable
+        return self.lin.rows(self._z_input(z), cz, differentiable=diff)
+
     def gram(self, z, cz):
         """``s0^2 J_cz(Z) J_cz(Z)^T`` (M, M), float64, differentiable w.r.t. ``Z``."""
-        if self.structured:
-            Fz = self._factors(self._z_input(z), cz, differentiable=z.requires_grad)
-            K = Fz.cross_gram()
-        else:
-            R = self._rows(z, cz)
-            K = R @ R.T
-        return self._s0() * K
+        return self._s0() * self._z_rows(z, cz).cross_gram()
 
     def cross(self, x, z, cz):
         """``s0^2 J(x) J_cz(Z)^T`` of shape (B, C, M), float64."""
@@ -124,54 +121,36 @@ class NTKKernel(Kernel):
 
     def diag_blocks(self, x):
         """``s0^2 J(x_b) J(x_b)^T`` of shape (B, C, C), float64."""
-        lin = self.lin
-        blocks = self._factors(x).diag_blocks() if self.structured else lin.ntk_diag_blocks(x)
-        return self._s0() * blocks
+        return self._s0() * self.lin.ntk_diag_blocks(x)
 
     def cross_and_diag(self, x, z, cz):
         """``(cross(x, z, cz), diag_blocks(x))`` sharing the work on ``x``."""
-        B, C = x.shape[0], self.n_outputs
-        if self.structured:
-            Fx = self._factors(x)
-            Fz = self._factors(self._z_input(z), cz, differentiable=z.requires_grad)
-            G = Fx.cross_gram(Fz)
-            blocks = Fx.diag_blocks()
-        else:
-            G, blocks = self._generic_cross_and_diag(x, self._rows(z, cz))
+        G, blocks = self.lin.cross_and_diag(x, self._z_rows(z, cz), self.n_outputs)
         s0 = self._s0()
-        return s0 * G.view(B, C, -1), s0 * blocks
+        return s0 * G, s0 * blocks
 
     def batch(self, x, z, cz):
         """``(Kzz, Kxz, Kxx)`` for a training step, evaluating the network at ``Z`` once.
 
-        When ``Z`` is not being learned (no gradient), its factors (or Jacobian rows)
+        When ``Z`` is not being learned (no gradient), its rows (factors or dense)
         and ``Kzz / s0^2`` are computed on the first step and reused while ``z`` and
         ``cz`` are the same, unmodified tensors.
         """
-        B, C = x.shape[0], self.n_outputs
         s0 = self._s0()
         Fz, Kzz = self._z_side(z, cz)
-        if self.structured:
-            Fx = self._factors(x)
-            Kxz = Fx.cross_gram(Fz).view(B, C, -1)
-            return s0 * Kzz, s0 * Kxz, s0 * Fx.diag_blocks()
-        Kxz, Kxx = self._generic_cross_and_diag(x, Fz)
+        Kxz, Kxx = self.lin.cross_and_diag(x, Fz, self.n_outputs)
         return s0 * Kzz, s0 * Kxz, s0 * Kxx
 
     def _z_side(self, z, cz):
-        """``(factors or rows at Z, Kzz / s0^2)``, cached for a fixed ``Z``."""
+        """``(rows at Z, Kzz / s0^2)``, cached for a fixed ``Z``."""
         key = None
         if not z.requires_grad:
             key = (z.data_ptr(), z._version, tuple(z.shape), cz.data_ptr(), cz._version)
             cached = self.__dict__.get("_z_cache")
             if cached is not None and cached[0] == key:
                 return cached[1], cached[2]
-        if self.structured:
-            Fz = self._factors(self._z_input(z), cz, differentiable=z.requires_grad)
-            Kzz = Fz.cross_gram()
-        else:
-            Fz = self._rows(z, cz)
-            Kzz = Fz @ Fz.T
+        Fz = self._z_rows(z, cz)
+        Kzz = Fz.cross_gram()
         if key is not None:
             self._z_cache = (key, Fz, Kzz)
         return Fz, Kzz
@@ -181,33 +160,11 @@ class NTKKernel(Kernel):
         state.pop("_z_cache", None)
         return state
 
-    def _generic_cross_and_diag(self, x, R):
-        parts, blocks = [], []
-        for _, J in self.lin.jacobian_chunks(x, self.n_outputs):
-            J = J.to(_F64)
-            parts.append(J @ R.T)
-            blocks.append(J @ J.transpose(1, 2))
-        return torch.cat(parts), torch.cat(blocks)
-
     def joint(self, x):
         """``s0^2 J(x) J(x)^T`` over all outputs of all points, (B C, B C), float64."""
-        if self.structured:
-            Fx = self._factors(x)
-            K = Fx.cross_gram()
-        else:
-            K = self.lin.kernel(x, n_outputs=self.n_outputs)
-        return self._s0() * K
+        return self._s0() * self.lin.kernel(x, n_outputs=self.n_outputs)
 
     # -- evaluation ------------------------------------------------------------------
-    def _factors(self, x, out_idx=None, differentiable=False):
-        """Factored Jacobian rows (all outputs, or ``out_idx``) at ``x``, network dtype."""
-        return self.lin.factored_jacobian(x, out_idx, differentiable=differentiable)
-
-    def _rows(self, z, cz):
-        """Jacobian rows ``grad g_cz[m](z_m)`` (M, P), float64, differentiable w.r.t. ``z``."""
-        zin = self._z_input(z)
-        return self.lin.jacobian_rows(zin, cz, differentiable=z.requires_grad).to(_F64)
-
     def mean_offset(self, z, cz):
         """``J_cz[m](z_m) theta_hat`` of shape (M,), float64, differentiable w.r.t. ``z``.
 
@@ -216,13 +173,9 @@ class NTKKernel(Kernel):
         norm in the inducing pairs' RKHS.
         """
         lin = self.lin
-        zin = self._z_input(z)
         diff = bool(z.requires_grad and torch.is_grad_enabled())
-        if self.structured:
-            theta = {n: p.unsqueeze(0) for n, p in lin.params.items()}
-            return self._factors(zin, cz, differentiable=diff).matmul(theta)[:, 0].to(_F64)
-        rows = lin.jacobian_rows(zin, cz, differentiable=diff)
-        return (rows @ lin.flat_params()).to(_F64)
+        theta = {n: p.unsqueeze(0) for n, p in lin.params.items()}
+        return self._z_rows(z, cz, diff).matmul(theta)[:, 0].to(_F64)
 
     def predictor(self, z, cz, W, method="auto"):
         """``x -> (Kxx blocks, Kxz W^T)`` with everything about ``Z`` precomputed.
@@ -234,11 +187,11 @@ class NTKKernel(Kernel):
         W : Tensor of shape (M, M)
             ``A = W^T W``.
         method : {"auto", "structured", "basis"}, default="auto"
-            ``"structured"``: the layer-wise kernel against the stored inducing
-            factors (the default for structured networks: ``O(B C M width)`` per
-            layer). ``"basis"``: ``U = J(Z)^T W^T`` (P x M) and ``Kxz W^T = s0^2 J(x)
-            U`` by one forward pass with ``M`` tangents (``O(B P M)``; the default for
-            other networks).
+            ``"structured"``: the kernel against the stored inducing rows, kept as
+            the backend's compact factors (the default for backends with factored
+            rows: ``O(B C M width)`` per layer). ``"basis"``: ``U = J(Z)^T W^T``
+            (P x M) and ``Kxz W^T = s0^2 J(x) U`` by one forward pass with ``M``
+            tangents (``O(B P M)``; the default for other networks).
 
         Returns
         -------
@@ -251,14 +204,14 @@ class NTKKernel(Kernel):
         s0 = float(torch.exp(self.log_prior_variance.detach()))
         W = W.detach().to(_F64)
         zin = self._z_input(z.detach())
-        if self.structured and method != "basis":
+        if lin.factored and method != "basis":
             with torch.no_grad():
-                Fz = self._factors(zin, cz)
+                Fz = lin.rows(zin, cz)
 
             def predict(x):
-                Fx = self._factors(x)
-                V = Fx.cross_gram(Fz) @ W.T
-                return s0 * Fx.diag_blocks(), s0 * V.view(x.shape[0], C, -1)
+                V, blocks = lin.cross_and_diag(x, Fz, C)
+                return s0 * blocks, s0 * (V.reshape(-1, V.shape[-1]) @ W.T).view(
+                    x.shape[0], C, -1)
 
             return predict
         if method == "structured":

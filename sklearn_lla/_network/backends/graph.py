@@ -1,0 +1,622 @@
+"""The graph backend: convolutional / residual networks by per-layer factors.
+
+Any network whose linearised parameters all sit in ``nn.Linear``, ``nn.Conv1d``,
+``nn.Conv2d`` or ``nn.BatchNorm1d`` / ``nn.BatchNorm2d`` (eval mode, running
+statistics) modules, each called once per forward pass; everything else -- residual
+additions, pooling, ``Flatten`` / ``Unflatten``, activations, any parameter-free
+operation -- is differentiated by autograd, so the graph needs no tracing.
+
+One forward pass records, at each of those modules, its input ``a_l`` and adds a zero
+tensor ``eps_l`` to its output; one backward pass per output (or a single one when
+each point has one selected output) gives every layer's back-propagated signal
+``delta_l = d g / d eps_l`` for all rows at once. The Jacobian row blocks follow in
+closed form:
+
+* ``nn.Linear`` on ``(B, i)`` inputs: the factor ``delta_l (x) a_l``, never formed
+  (paired like the structured chain's, :class:`StructuredJacobian`);
+* ``nn.Conv1d`` / ``nn.Conv2d``: the weight block of a row is ``delta_l`` against the
+  unfolded input patches (one batched matrix product), the bias block ``delta_l``
+  summed over positions;
+* ``nn.BatchNorm`` (eval): ``gamma``: ``delta_l * (a_l - mean) / sqrt(var + eps)``
+  summed over positions; ``beta``: ``delta_l`` summed;
+* ``nn.Linear`` on inputs with extra dimensions: the sum over positions.
+
+Dense blocks are small for the convolutional layers of a typical CNN (their
+parameters are few); the large fully connected layers stay factored. Rows are
+computed once per call -- Gram blocks pair rows, they never recompute them.
+
+Reverse mode only (autograd's grad mode is per thread; forward-mode dual levels are
+process-global), and the recording hooks live on a per-thread copy of the module,
+so every product is thread-safe. The backend is chosen only after its rows reproduce
+the generic ``torch.func`` Jacobian on the example input.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..structured.jacobian import LayerFactor, StructuredJacobian, _to_f64
+from ..structured.trace import share_copy
+from .base import DenseRows, FactoredBackend, Rows, gram64
+
+__all__ = ["GraphBackend", "GraphRows"]
+
+_F64 = torch.float64
+
+#: The module types whose parameters the graph backend linearises.
+SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d)
+
+#: Elements (per chunk of points) of the rows, signals and patches a product holds.
+CHUNK_ELEMENTS = 2**25
+
+#: Largest number of Jacobian entries the check at construction compares (all outputs
+#: of two example rows; beyond it, one selected output per row).
+CHECK_ELEMENTS = 2**22
+
+
+def _module_issue(m: nn.Module) -> str | None:
+    """Why a module holding linearised parameters is not supported (``None``: it is)."""
+    if type(m) not in SUPPORTED:
+        return f"it is a {type(m).__name__}"
+    if isinstance(m, (nn.Conv1d, nn.Conv2d)):
+        if m.groups != 1:
+            return "grouped convolution"
+        if m.padding_mode != "zeros":
+            return f"padding_mode={m.padding_mode!r}"
+        if (isinstance(m.padding, str) and m.padding != "valid"
+                and any(d * (k - 1) % 2 for d, k in zip(m.dilation, m.kernel_size))):
+            return "asymmetric 'same' padding"
+    if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)) and (
+            m.running_mean is None or m.running_var is None):
+        return "BatchNorm without running statistics (batch statistics in eval mode)"
+    return None
+
+
+def _padding(m) -> tuple:
+    if isinstance(m.padding, str):
+        if m.padding == "valid":
+            return (0,) * len(m.kernel_size)
+        return tuple(d * (k - 1) // 2 for d, k in zip(m.dilation, m.kernel_size))
+    return tuple(m.padding)
+
+
+class _Layer:
+    """A module holding linearised parameters: where it is and which of its names."""
+
+    def __init__(self, path: str, module: nn.Module, weight: str | None, bias: str | None):
+        self.path = path
+        self.kind = type(module).__name__
+        self.weight_name = weight
+        self.bias_name = bias
+
+    def names(self) -> list[str]:
+        return [n for n in (self.weight_name, self.bias_name) if n is not None]
+
+
+def _layer_blocks(layer: _Layer, mod: nn.Module, a: Tensor, d: Tensor, k: int,
+                  cache: dict | None = None):
+    """``(factor, dense)``: a :class:`LayerFactor` or ``{name: (n_rows, numel)}``.
+
+    ``a``: the module's input ``(B, ...)``; ``d``: the signal at its output,
+    ``(B * k, ...)``; ``cache``: keeps what depends on ``a`` only (unfolded patches,
+    normalised inputs) between calls for the same input.
+    """
+    cache = {} if cache is None else cache
+    B = a.shape[0]
+    n_rows = d.shape[0]
+    if isinstance(mod, nn.Linear):
+        if a.ndim == 2:
+            return LayerFactor(d, a, layer.weight_name, layer.bias_name), {}
+        o, i = d.shape[-1], a.shape[-1]
+        dv = d.reshape(B, k, -1, o)
+        av = a.reshape(B, -1, i)
+        out = {}
+        if layer.weight_name:
+            out[layer.weight_name] = torch.einsum("bkto,bti->bkoi", dv, av).reshape(n_rows, o * i)
+        if layer.bias_name:
+            out[layer.bias_name] = dv.sum(2).reshape(n_rows, o)
+        return None, out
+    out = {}
+    if isinstance(mod, (nn.Conv1d, nn.Conv2d)):
+        o = d.shape[1]
+        dv = d.reshape(n_rows, o, -1)
+        if layer.weight_name:
+            patches = cache.get("patches")
+            if patches is None:
+                if isinstance(mod, nn.Conv1d):
+                    a2 = a.unsqueeze(2)
+                    ks, dil, pad, st = ((1, mod.kernel_size[0]), (1, mod.dilation[0]),
+                                        (0, _padding(mod)[0]), (1, mod.stride[0]))
+                else:
+                    a2, ks, dil, pad, st = (a, mod.kernel_size, mod.dilation, _padding(mod),
+                                            mod.stride)
+                # (B, L, ikk)
+                patches = F.unfold(a2, ks, dilation=dil, padding=pad, stride=st).transpose(1, 2)
+                cache["patches"] = patches
+            gw = torch.bmm(dv.reshape(B, k * o, -1), patches)
+            out[layer.weight_name] = gw.reshape(n_rows, -1)
+        if layer.bias_name:
+            out[layer.bias_name] = dv.sum(-1)
+        return None, out
+    # BatchNorm in eval mode
+    ch = d.shape[1]
+    dv = d.reshape(B, k, ch, -1)
+    if layer.weight_name:
+        xhat = cache.get("xhat")
+        if xhat is None:
+            shape = (1, ch) + (1,) * (a.ndim - 2)
+            xhat = (a - mod.running_mean.view(shape)) * torch.rsqrt(
+                mod.running_var.view(shape) + mod.eps)
+            cache["xhat"] = xhat
+        out[layer.weight_name] = (dv * xhat.reshape(B, 1, ch, -1)).sum(-1).reshape(n_rows, ch)
+    if layer.bias_name:
+        out[layer.bias_name] = dv.sum(-1).reshape(n_rows, ch)
+    return None, out
+
+
+class GraphRows(Rows):
+    """Jacobian rows of a :class:`GraphBackend` network: factored ``nn.Linear`` blocks
+    (a :class:`StructuredJacobian`) and dense blocks for the other layers.
+
+    Parameters
+    ----------
+    factors : StructuredJacobian or None
+        The factored blocks.
+    dense : Tensor of shape (n_rows, p_dense) or None
+        The other blocks, columns ``dense_names`` in order, each flattened.
+    dense_names : list of str
+        The parameters of ``dense``.
+    rows_per_point : int
+        Consecutive rows per point.
+    lin : LinearizedNet
+        The network (parameter layout).
+    output : Tensor of shape (n_points, C)
+        The network's outputs at the points.
+    """
+
+    def __init__(self, factors, dense, dense_names, rows_per_point, lin, output):
+        self.factors = factors
+        self.D = dense
+        self.dense_names = list(dense_names)
+        self.rows_per_point = int(rows_per_point)
+        self.output = output
+        self.n_points = int(output.shape[0])
+        self.n_rows = self.n_points * self.rows_per_point
+        self._lin = lin
+
+    def __len__(self) -> int:
+        return self.n_rows
+
+    def _pair(self, other, differentiable):
+        if isinstance(other, DenseRows):  # rows of the generic fallback
+            a = _to_f64(self.dense()) if differentiable else self.dense().to(_F64)
+            return a @ (_to_f64(other.R) if differentiable else other.R.to(_F64)).T
+        G = None
+        if self.factors is not None:
+            G = (self.factors.cross_gram(other.factors) if differentiable
+                 else self.factors.gram(other.factors))
+        if self.D is not None:
+            if differentiable:
+                a = _to_f64(self.D)
+                DD = a @ (a if other is self else _to_f64(other.D)).T
+            else:
+                DD = gram64(self.D, None if other is self else other.D)
+            G = DD if G is None else G + DD
+        return G
+
+    def gram(self, other=None) -> Tensor:
+        """``R_self R_other^T``, float64.
+
+        Parameters
+        ----------
+        other : GraphRows, optional
+            Defaults to ``self``.
+
+        Returns
+        -------
+        Tensor of shape (n_rows_self, n_rows_other), dtype float64
+        """
+        return self._pair(self if other is None else other, False)
+
+    def cross_gram(self, other=None) -> Tensor:
+        """:meth:`gram` built from out-of-place operations (autograd flows through).
+
+        Parameters
+        ----------
+        other : GraphRows, optional
+            Defaults to ``self``.
+
+        Returns
+        -------
+        Tensor of shape (n_rows_self, n_rows_other), dtype float64
+        """
+        return self._pair(self if other is None else other, True)
+
+    def diag_blocks(self) -> Tensor:
+        """Per-point blocks of :meth:`gram`.
+
+        Returns
+        -------
+        Tensor of shape (n_points, rows_per_point, rows_per_point), dtype float64
+        """
+        out = None if self.factors is None else self.factors.diag_blocks()
+        if self.D is not None:
+            J = self.D.to(_F64).view(self.n_points, self.rows_per_point, -1)
+            blk = J @ J.transpose(1, 2)
+            out = blk if out is None else out + blk
+        return out
+
+    def vjp(self, U: Tensor) -> dict:
+        """``R^T U`` per parameter.
+
+        Parameters
+        ----------
+        U : Tensor of shape (n_rows, K)
+
+        Returns
+        -------
+        dict of str to Tensor of shape (K, *param_shape)
+        """
+        lin = self._lin
+        res = {} if self.factors is None else dict(self.factors.vjp(U))
+        if self.D is not None:
+            flat = U.to(self.D.dtype).T @ self.D  # (K, p_dense)
+            start = 0
+            for n in self.dense_names:
+                size = lin.params[n].numel()
+                res[n] = flat[:, start:start + size].reshape(-1, *lin.params[n].shape)
+                start += size
+        return {n: res[n] for n in lin.names}
+
+    def matmul(self, V: dict) -> Tensor:
+        """``R V``.
+
+        Parameters
+        ----------
+        V : dict of str to Tensor of shape (K, *param_shape)
+            Missing names count as 0.
+
+        Returns
+        -------
+        Tensor of shape (n_rows, K)
+        """
+        K = next(iter(V.values())).shape[0]
+        out = None
+        if self.factors is not None and any(n in V for n in self.factors.param_names):
+            out = self.factors.matmul(V)
+        if self.D is not None:
+            lin = self._lin
+            flat = torch.cat([
+                (V[n].to(self.D.dtype).reshape(K, -1) if n in V else
+                 torch.zeros(K, lin.params[n].numel(), dtype=self.D.dtype,
+                             device=self.D.device))
+                for n in self.dense_names], dim=1)
+            z = self.D @ flat.T
+            out = z if out is None else out + z
+        if out is None:
+            out = torch.zeros(self.n_rows, K, dtype=self._lin.dtype, device=self._lin.device)
+        return out
+
+    def dense(self) -> Tensor:
+        """The explicit rows, columns in the network's parameter order.
+
+        Returns
+        -------
+        Tensor of shape (n_rows, P)
+        """
+        blocks = {}
+        if self.factors is not None:
+            F_ = self.factors.dense()
+            start = 0
+            for n in self.factors.param_names:
+                size = self._lin.params[n].numel()
+                blocks[n] = F_[:, start:start + size]
+                start += size
+        if self.D is not None:
+            start = 0
+            for n in self.dense_names:
+                size = self._lin.params[n].numel()
+                blocks[n] = self.D[:, start:start + size]
+                start += size
+        return torch.cat([blocks[n] for n in self._lin.names], dim=1)
+
+
+class _Recording:
+    def __init__(self, n_layers, differentiable):
+        self.acts = [None] * n_layers
+        self.eps = [None] * n_layers
+        self.calls = [0] * n_layers
+        self.differentiable = differentiable
+
+
+class GraphBackend(FactoredBackend):
+    """Products of a network whose linearised layers are Linear / Conv / BatchNorm.
+
+    Build it with :meth:`build` (which checks it against ``torch.func`` and says why
+    a network is not supported).
+
+    Parameters
+    ----------
+    lin : LinearizedNet
+        The network.
+    layers : list of _Layer
+        The modules holding linearised parameters.
+    reason : str
+        Why this backend was chosen.
+    """
+
+    name = "graph"
+
+    def __init__(self, lin, layers: list[_Layer], reason: str) -> None:
+        super().__init__(lin, reason)
+        self.layers = layers
+        self._local = threading.local()
+        self._cost = None  # elements per (point, row) of a product, set by build
+
+    def __getstate__(self):  # pragma: no cover - LinearizedNet rebuilds backends
+        raise TypeError("a GraphBackend is rebuilt by its LinearizedNet, not pickled")
+
+    # -- construction -----------------------------------------------------------
+    @classmethod
+    def build(cls, lin, x: Tensor | None) -> tuple[GraphBackend | None, str]:
+        """The backend for ``lin``, or ``None`` and why not.
+
+        Parameters
+        ----------
+        lin : LinearizedNet
+            The network.
+        x : Tensor of shape (B, ...) or None
+            Example inputs; the backend is checked against ``torch.func`` on two rows.
+
+        Returns
+        -------
+        backend : GraphBackend or None
+        reason : str
+        """
+        owner = {}
+        modules = dict(lin.module.named_modules())
+        for path, m in modules.items():
+            for attr, _ in m.named_parameters(recurse=False):
+                owner[(path + "." if path else "") + attr] = (path, m, attr)
+        by_module: dict[str, dict] = {}
+        for n in lin.names:
+            path, m, attr = owner[n]
+            issue = _module_issue(m)
+            if issue is None and attr not in ("weight", "bias"):
+                issue = f"its parameter {attr!r} is not a weight or bias"
+            if issue is not None:
+                where = f"at {path!r}" if path else "(the network itself)"
+                return None, f"parameter {n!r} of module {type(m).__name__} {where}: {issue}"
+            by_module.setdefault(path, {})[attr] = n
+        if x is None:
+            return None, "no example_input to check the graph backend on"
+        layers = [_Layer(path, modules[path], names.get("weight"), names.get("bias"))
+                  for path, names in by_module.items()]
+        backend = cls(lin, layers, "")
+        x2 = x[:2]
+        try:
+            with torch.no_grad():
+                C = lin.n_outputs(x2)
+                # all rows of two points when they are small, else one row per point
+                # (outputs 0 and C - 1), so that the check stays O(P) for large nets
+                sel = (None if 2 * C * lin.n_params <= CHECK_ELEMENTS else
+                       torch.tensor([0, C - 1], device=x2.device)[:x2.shape[0]])
+                R = backend.rows(x2, sel)
+                got = R.dense()
+                ref = _reference_rows(lin, x2, sel)
+        except _NotPerSample as exc:
+            return None, str(exc)
+        except Exception as exc:  # noqa: BLE001 - reported as the reason
+            return None, f"the graph backend failed on example_input ({type(exc).__name__}: {exc})"
+        tol = 1e-4 * (1.0 + ref.abs().max().item())
+        if got.shape != ref.shape or not torch.allclose(got, ref, rtol=1e-3, atol=tol):
+            err = (got - ref).abs().max().item() if got.shape == ref.shape else float("nan")
+            return None, ("the graph backend's Jacobian did not match autograd's on "
+                          f"example_input (max difference {err:.3g})")
+        R = backend.rows(x2[:1])
+        backend._cost = (int(R.D.shape[1]) if R.D is not None else 0) + sum(
+            int(f.delta.shape[1]) + int(f.act.shape[1]) for f in
+            (R.factors.layers if R.factors is not None else []))
+        kinds: dict[str, int] = {}
+        for layer in layers:
+            kinds[layer.kind] = kinds.get(layer.kind, 0) + 1
+        desc = ", ".join(f"{v} {k}" for k, v in kinds.items())
+        backend.reason = (f"graph of {desc} layers (Jacobian blocks from per-layer factors; "
+                          "autograd through every other operation)")
+        return backend, backend.reason
+
+    # -- recording --------------------------------------------------------------
+    def _module(self) -> nn.Module:
+        mod = getattr(self._local, "module", None)
+        if mod is None:
+            mod = share_copy(self.lin.module)
+            named = dict(mod.named_modules())
+            for i, layer in enumerate(self.layers):
+                named[layer.path].register_forward_hook(self._hook(i))
+            self._local.module = mod
+            self._local.rec = None
+        return mod
+
+    def _hook(self, i):
+        local = self._local
+
+        def hook(module, inputs, output):
+            rec = getattr(local, "rec", None)
+            if rec is None:
+                return None
+            rec.calls[i] += 1
+            a = inputs[0]
+            rec.acts[i] = a if rec.differentiable else a.detach().clone()
+            eps = torch.zeros_like(output, requires_grad=True)
+            rec.eps[i] = eps
+            return output + eps
+
+        return hook
+
+    def rows(self, x: Tensor, out_idx: Tensor | None = None,
+             differentiable: bool = False) -> Rows:
+        lin = self.lin
+        diff = bool(differentiable and torch.is_grad_enabled())
+        mod = self._module()
+        rec = _Recording(len(self.layers), diff)
+        self._local.rec = rec
+        try:
+            with torch.enable_grad():
+                g = lin._finish(mod(x), x.shape[0])
+        finally:
+            self._local.rec = None
+        for i, layer in enumerate(self.layers):
+            if rec.calls[i] != 1:
+                raise _NotPerSample(f"module {layer.kind} at {layer.path!r} was called "
+                                    f"{rec.calls[i]} times in one forward pass")
+        B, C = g.shape
+        used = [i for i in range(len(self.layers)) if rec.eps[i] is not None]
+        eps = [rec.eps[i] for i in used]
+        if out_idx is None:  # one backward pass per output, rows b * C + c
+            k = C
+            cots = []
+            for c in range(C):
+                cot = torch.zeros_like(g)
+                cot[:, c] = 1.0
+                cots.append(cot)
+        else:  # one backward pass: each point's selected output
+            k = 1
+            cots = [F.one_hot(out_idx, C).to(g.dtype)]
+        named = dict(mod.named_modules())
+        factors: dict[int, LayerFactor] = {}
+        fdeltas: dict[int, list] = {}
+        D, offsets, dlists = None, {}, {}
+        caches: dict[int, dict] = {i: {} for i in used}
+        for ci, cot in enumerate(cots):
+            with torch.enable_grad():
+                grads = torch.autograd.grad(g, eps, cot, retain_graph=diff or ci < k - 1,
+                                            create_graph=diff, allow_unused=True)
+            with torch.set_grad_enabled(diff):
+                blocks = {}
+                for j, i in enumerate(used):
+                    d = grads[j] if grads[j] is not None else torch.zeros_like(eps[j])
+                    layer = self.layers[i]
+                    f, b = _layer_blocks(layer, named[layer.path], rec.acts[i],
+                                         d if diff else d.detach(), 1, caches[i])
+                    if f is not None:
+                        factors[i] = f
+                        fdeltas.setdefault(i, []).append(f.delta)
+                    blocks.update(b)
+                if diff:
+                    for n, blk in blocks.items():
+                        dlists.setdefault(n, []).append(blk)
+                    continue
+                if D is None and blocks:  # the first output: the layout of the dense blocks
+                    start = 0
+                    for n in lin.names:
+                        if n in blocks:
+                            offsets[n] = (start, start + blocks[n].shape[1])
+                            start += blocks[n].shape[1]
+                    D = torch.empty(B, k, start, dtype=g.dtype, device=g.device)
+                for n, blk in blocks.items():
+                    D[:, ci, offsets[n][0]:offsets[n][1]] = blk
+        dnames = [n for n in lin.names if n in (dlists if diff else offsets)]
+        if diff and dnames:
+            D = torch.cat([torch.stack(dlists[n], 1) for n in dnames], dim=2)
+        layers = []
+        for i in sorted(factors):
+            f = factors[i]
+            delta = fdeltas[i][0] if k == 1 else torch.stack(fdeltas[i], 1).reshape(B * k, -1)
+            layers.append(LayerFactor(delta, f.act, f.weight_name, f.bias_name))
+        fnames = [n for n in lin.names
+                  if any(n in (f.weight_name, f.bias_name) for f in layers)]
+        output = g if diff else g.detach()
+        sj = StructuredJacobian(layers, k, fnames, output) if layers else None
+        return GraphRows(sj, None if D is None else D.reshape(B * k, -1), dnames, k, lin,
+                         output)
+
+    # -- products -----------------------------------------------------------------
+    def row_elements(self) -> int:
+        return self._cost
+
+    def kernel_step(self, rows_per_point: int) -> int:
+        return max(1, CHUNK_ELEMENTS // max(1, rows_per_point * self._cost))
+
+    def ntk_diag_blocks(self, x: Tensor) -> Tensor:
+        step = self.kernel_step(self.lin.n_outputs(x))
+        with torch.no_grad():
+            return torch.cat([self.rows(x[s:s + step]).diag_blocks()
+                              for s in range(0, x.shape[0], step)])
+
+    def cross_and_diag(self, x: Tensor, rows, n_outputs: int) -> tuple[Tensor, Tensor]:
+        step = self.kernel_step(n_outputs)
+        parts, blocks = [], []
+        for s in range(0, x.shape[0], step):
+            Fx = self.rows(x[s:s + step])
+            parts.append(Fx.cross_gram(rows).view(-1, n_outputs, rows.n_rows))
+            blocks.append(Fx.diag_blocks())
+        return torch.cat(parts), torch.cat(blocks)
+
+    def jvp(self, x: Tensor, T: dict) -> tuple[Tensor, Tensor]:
+        K = next((t.shape[0] for t in T.values()), None)
+        if K is None:
+            raise ValueError("tangents is empty")
+        B = x.shape[0]
+        step = self.kernel_step(self.lin.n_outputs(x))
+        gs, jvs = [], []
+        with torch.no_grad():
+            for s in range(0, B, step):
+                R = self.rows(x[s:s + step])
+                b, C = R.output.shape
+                gs.append(R.output)
+                jvs.append(R.matmul(T).view(b, C, K))
+        return torch.cat(gs), torch.cat(jvs)
+
+    def jvp_and_ntk_diag(self, x: Tensor, T: dict) -> tuple[Tensor, Tensor, Tensor]:
+        K = next((t.shape[0] for t in T.values()), None)
+        if K is None:
+            raise ValueError("tangents is empty")
+        step = self.kernel_step(self.lin.n_outputs(x))
+        gs, jvs, blocks = [], [], []
+        with torch.no_grad():
+            for s in range(0, x.shape[0], step):
+                R = self.rows(x[s:s + step])
+                b, C = R.output.shape
+                gs.append(R.output)
+                jvs.append(R.matmul(T).view(b, C, K))
+                blocks.append(R.diag_blocks())
+        return torch.cat(gs), torch.cat(jvs), torch.cat(blocks)
+
+    def vjp(self, x: Tensor, cotangents: Tensor) -> dict:
+        K, B, C = cotangents.shape
+        if K <= C:
+            return super().vjp(x, cotangents)
+        step = self.kernel_step(C)
+        res = None
+        with torch.no_grad():
+            for s in range(0, B, step):
+                U = cotangents[:, s:s + step].permute(1, 2, 0).reshape(-1, K)
+                part = self.rows(x[s:s + step]).vjp(U)
+                res = part if res is None else {n: res[n] + part[n] for n in res}
+        return res
+
+
+def _reference_rows(lin, x: Tensor, out_idx: Tensor | None = None) -> Tensor:
+    """Jacobian rows at ``x`` (all, rows ``b * C + c``, or output ``out_idx[b]`` of
+    point ``b``) by plain autograd, one backward pass per row (a few rows: the check of
+    :meth:`GraphBackend.build`)."""
+    params = {n: p.detach().clone().requires_grad_() for n, p in lin.params.items()}
+    leaves = [params[n] for n in lin.names]
+    with torch.enable_grad():
+        g = lin._g(params, x)
+        rows = []
+        for b in range(g.shape[0]):
+            for c in (range(g.shape[1]) if out_idx is None else [int(out_idx[b])]):
+                grads = torch.autograd.grad(g[b, c], leaves, retain_graph=True,
+                                            allow_unused=True)
+                rows.append(torch.cat([(gr if gr is not None else torch.zeros_like(p))
+                                       .reshape(-1) for gr, p in zip(grads, leaves)]))
+    return torch.stack(rows)
+
+
+class _NotPerSample(RuntimeError):
+    """A recorded module was not called exactly once."""

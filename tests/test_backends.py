@@ -1,0 +1,324 @@
+"""The Jacobian backends against dense float64 Jacobians (``torch.func.jacrev``).
+
+Every product of the graph backend (conv / BatchNorm / residual nets) on small nets
+holding every supported layer, in float32 and float64; when a network is not
+supported, the fallback to ``torch.func`` and its reason; thread safety; pickling.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, jacrev, vmap
+
+from sklearn_lla._network.linearized import LinearizedNet
+
+F64 = torch.float64
+
+
+class Residual(nn.Module):
+    def __init__(self, c, act=nn.ReLU):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding="same", bias=False)
+        self.bn = nn.BatchNorm2d(c)
+        self.act = act()
+
+    def forward(self, x):
+        return self.act(x + self.bn(self.conv(x)))
+
+
+class Conv1dNet(nn.Module):
+    """Conv1d (stride, dilation) + BatchNorm1d + GELU, avg-pool, Linear on (B, T, i)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv1d(2, 4, 3, stride=2, dilation=1, padding=1)
+        self.bn = nn.BatchNorm1d(4)
+        self.c2 = nn.Conv1d(4, 3, 2, dilation=2)
+        self.lin_t = nn.Linear(3, 5)  # applied to (B, T, 3)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = x.view(x.shape[0], 2, 8)
+        h = nn.functional.gelu(self.bn(self.c1(h)))
+        h = torch.tanh(self.c2(h))  # (B, 3, 2)
+        h = self.lin_t(h.transpose(1, 2))  # (B, 2, 5)
+        return self.head(h.mean(1))
+
+
+def conv2d_net():
+    """Unflatten, Conv2d + BN + ReLU, a residual block, max / avg / adaptive pooling."""
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 6, 6)), nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+        Residual(4, nn.GELU), nn.MaxPool2d(2), nn.Conv2d(4, 5, 2, stride=1, dilation=1),
+        nn.Tanh(), nn.AvgPool2d(1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 3))
+
+
+def _randomise_bn(net, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for m in net.modules():
+        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
+            n = m.num_features
+            m.running_mean.copy_(torch.rand(n, generator=g) - 0.5)
+            m.running_var.copy_(torch.rand(n, generator=g) + 0.5)
+            with torch.no_grad():
+                m.weight.copy_(torch.rand(n, generator=g) + 0.5)
+                m.bias.copy_(torch.rand(n, generator=g) - 0.5)
+    return net
+
+
+NETS = {
+    "conv2d": (conv2d_net, 36),
+    "conv1d": (Conv1dNet, 16),
+}
+
+
+def _make(name, dtype, seed=0):
+    build, d = NETS[name]
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        net = _randomise_bn(build().to(dtype)).eval()
+    x = torch.randn(5, d, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    return net, x
+
+
+def dense_jacobian(net, x):
+    """(B, C, P) float64 Jacobian of a float64 copy of ``net`` (independent reference)."""
+    net = copy.deepcopy(net).double().eval()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    buffers = dict(net.named_buffers())
+
+    def f(p, xi):
+        return functional_call(net, (p, buffers), (xi[None],))[0]
+
+    jac = vmap(jacrev(f), in_dims=(None, 0))(params, x.double())
+    B = x.shape[0]
+    return torch.cat([jac[k].reshape(B, jac[k].shape[1], -1) for k in params], dim=2)
+
+
+def _close(a, b, tol):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    scale = max(b.abs().max().item(), 1e-30)
+    err = (a.double() - b.double()).abs().max().item()
+    assert err <= tol * scale, f"max error {err:.3e} relative to {scale:.3e}"
+
+
+def _flat(tree, names):
+    return torch.cat([tree[n].reshape(tree[n].shape[0], -1) for n in names], dim=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", list(NETS))
+def test_graph_backend_products_match_dense(name, dtype):
+    net, x = _make(name, dtype)
+    lin = LinearizedNet(net, example_input=x)
+    assert lin.backend == "graph", lin.backend_reason
+    assert lin.factored and lin.thread_safe
+    tol = 1e-10 if dtype == F64 else 2e-5
+    J = dense_jacobian(net, x)
+    B, C, P = J.shape
+    assert lin.n_params == P
+    Jf = J.reshape(B * C, P)
+    _close(lin.jacobian(x), J, tol)
+    _close(lin.ntk(x), Jf @ Jf.T, tol)
+    assert lin.ntk(x).dtype == F64
+    x2 = x[:3] * 0.5 + 0.1
+    J2 = dense_jacobian(net, x2).reshape(-1, P)
+    _close(lin.ntk(x, x2), Jf @ J2.T, tol)
+    _close(lin.kernel(x, x2, n_outputs=C), Jf @ J2.T, tol)
+    idx = torch.arange(B) % C
+    Ji = J[torch.arange(B), idx]
+    _close(lin.kernel(x, out1=idx), Ji @ Ji.T, tol)
+    _close(lin.jacobian_rows(x, idx), Ji, tol)
+    _close(lin.ntk_diag_blocks(x), J @ J.transpose(1, 2), tol)
+    g = torch.Generator().manual_seed(3)
+    for K in (2, 7):  # fewer and more directions than outputs
+        V = torch.randn(K, P, generator=g, dtype=F64)
+        out, jv = lin.jvp(x, V.to(dtype))
+        assert jv.dtype == dtype
+        _close(out, net(x).detach(), tol)
+        _close(jv, torch.einsum("bcp,kp->bck", J, V), tol * 10)
+        out2, jv2, blocks2 = lin.jvp_and_ntk_diag(x, V.to(dtype))  # rows shared
+        _close(jv2, torch.einsum("bcp,kp->bck", J, V), tol * 10)
+        _close(blocks2, J @ J.transpose(1, 2), tol)
+        U = torch.randn(K, B, C, generator=g, dtype=F64)
+        _close(_flat(lin.vjp(x, U.to(dtype)), lin.names), torch.einsum("bcp,kbc->kp", J, U),
+               tol * 10)
+    Um = torch.randn(B, 3, generator=g, dtype=F64)
+    _close(_flat(lin.gradient_rows_vjp(x, idx, Um.to(dtype)), lin.names), (Ji.T @ Um).T,
+           tol * 10)
+    Rz = lin.rows(x2, idx[:3])
+    cross, blocks = lin.cross_and_diag(x, Rz, C)
+    Jz = dense_jacobian(net, x2)[torch.arange(3), idx[:3]]
+    _close(cross, (Jf @ Jz.T).view(B, C, 3), tol)
+    _close(blocks, J @ J.transpose(1, 2), tol)
+    theta = {n: p.unsqueeze(0) for n, p in lin.params.items()}
+    _close(lin.rows(x, idx).matmul(theta)[:, 0], Ji @ lin.flat_params().double(), tol * 10)
+
+
+@pytest.mark.parametrize("name", list(NETS))
+def test_graph_cross_gram_differentiates_wrt_inputs(name):
+    net, x = _make(name, F64)
+    graph = LinearizedNet(net, example_input=x)
+    generic = LinearizedNet(net, example_input=x, structured=False)
+    assert (graph.backend, generic.backend) == ("graph", "functorch")
+    idx = torch.arange(x.shape[0]) % 3
+    grads = []
+    for lin in (graph, generic):
+        z = x.clone().requires_grad_()
+        K = lin.rows(z, idx, differentiable=True).cross_gram()
+        (K * torch.linspace(0.5, 1.5, K.numel(), dtype=F64).view_as(K)).sum().backward()
+        grads.append(z.grad)
+    _close(grads[0], grads[1], 1e-9)
+
+
+def test_graph_backend_threads_equal_serial():
+    net, x = _make("conv2d", torch.float32)
+    lin = LinearizedNet(net, example_input=x)
+    V = torch.randn(4, lin.n_params)
+    ref = (lin.ntk(x), lin.jvp(x, V)[1])
+    errs = []
+
+    def work():
+        try:
+            for _ in range(5):
+                got = (lin.ntk(x), lin.jvp(x, V)[1])
+                assert all(torch.equal(a, b) for a, b in zip(got, ref))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errs.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errs, errs
+    torch.testing.assert_close(lin.forward(x), net(x).detach())  # hooks do not leak
+
+
+def test_graph_backend_pickles():
+    net, x = _make("conv2d", F64)
+    lin = LinearizedNet(net, example_input=x)
+    lin2 = pickle.loads(pickle.dumps(lin))
+    assert (lin2.backend, lin2.backend_reason) == (lin.backend, lin.backend_reason)
+    torch.testing.assert_close(lin2.ntk(x), lin.ntk(x), rtol=0, atol=0)
+
+
+def test_graph_backend_last_layer_and_frozen_layers():
+    net, x = _make("conv2d", F64)
+    for p in net[1].parameters():  # the first conv frozen
+        p.requires_grad_(False)
+    lin = LinearizedNet(net, example_input=x)
+    assert lin.backend == "graph" and "1.weight" not in lin.names
+    full = dense_jacobian(net, x)
+    names = [n for n, _ in net.named_parameters()]
+    sizes = [p.numel() for _, p in net.named_parameters()]
+    keep = torch.cat([torch.full((s,), n in lin.names) for n, s in zip(names, sizes)])
+    _close(lin.jacobian(x), full[..., keep], 1e-10)
+
+
+class _Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.lin(torch.tanh(self.lin(x)))))
+
+
+class _Grouped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(2, 2, 3, groups=2)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(self.conv(x.view(-1, 2, 3)).flatten(1).repeat(1, 2))
+
+
+class _FunctionalUse(nn.Module):
+    """A parameter used outside its module's forward: the check catches it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)) + x @ self.a.weight.T)
+
+
+@pytest.mark.parametrize("net, d, reason", [
+    (nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2)), 4,
+     "of module LayerNorm at '1': it is a LayerNorm"),
+    (_Grouped(), 6, "grouped convolution"),
+    (nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, track_running_stats=False),
+                   nn.Linear(4, 2)), 4, "without running statistics"),
+    (_Twice(), 4, "called 2 times"),
+    (_FunctionalUse(), 4, "did not match autograd's"),
+])
+def test_unsupported_networks_fall_back_with_reason(net, d, reason):
+    net = net.double().eval()
+    x = torch.randn(3, d, dtype=F64)
+    lin = LinearizedNet(net, example_input=x)
+    assert lin.backend == "functorch"
+    assert reason in lin.backend_reason, lin.backend_reason
+    if "running" not in reason:  # (batch statistics: no per-example Jacobian at all)
+        _close(lin.jacobian(x), dense_jacobian(net, x), 1e-10)  # the fallback is exact
+
+
+def test_log_output_transform():
+    net, x = _make("conv2d", F64)
+    soft = nn.Sequential(net, nn.Softmax(-1))
+    lin = LinearizedNet(soft, output_transform="log", example_input=x)
+    assert lin.backend == "graph"
+    logsoft = nn.Sequential(net, nn.LogSoftmax(-1))
+    _close(lin.jacobian(x), dense_jacobian(logsoft, x), 1e-9)
+
+
+def test_kernel_computes_each_row_once_per_panel(monkeypatch):
+    """The Gram's rows are computed once (per panel of held rows), never once per block
+    pair (ELLA's Nystrom Gram on the digits CNN computed them 529 times for 276 blocks)."""
+    from sklearn_lla._network.backends import base
+
+    net, x = _make("conv2d", F64)
+    x = torch.cat([x, 0.5 * x, -x, x + 0.1])  # 20 points
+    lin = LinearizedNet(net, example_input=x, structured=False)  # the generic backend
+    backend = lin.jacobian_backend
+    calls = []
+    rows = backend.rows
+    monkeypatch.setattr(backend, "kernel_step", lambda r: 3)  # 7 chunks, 28 blocks
+    monkeypatch.setattr(backend, "rows", lambda *a, **k: calls.append(1) or rows(*a, **k))
+    idx = torch.arange(20) % 3
+    ref = lin.jacobian_rows(x, idx).double()
+    _close(lin.kernel(x, out1=idx), ref @ ref.T, 1e-12)
+    assert len(calls) == 7  # the panel holds every chunk: each computed once
+    calls.clear()
+    monkeypatch.setattr(base, "PANEL_ELEMENTS", 2 * 3 * lin.n_params)  # 2 chunks a panel
+    _close(lin.kernel(x, out1=idx), ref @ ref.T, 1e-12)
+    assert len(calls) == 7 + 5 + 3 + 1  # held once, streamed once per earlier panel
+    x2 = x[:5] - 0.2
+    calls.clear()
+    R2 = lin.jacobian_rows(x2, idx[:5]).double()
+    _close(lin.kernel(x, x2, out1=idx, out2=idx[:5]), ref @ R2.T, 1e-12)
+    assert len(calls) == 7 + 4 * 2  # X1 chunks once; X2's 2 chunks once per panel (4)
+
+
+def test_check_on_one_output_per_row_for_large_nets(monkeypatch):
+    """Beyond CHECK_ELEMENTS the construction check compares one selected output per
+    example row (O(P) memory); it still tells a supported graph from a wrong one."""
+    from sklearn_lla._network.backends import graph
+
+    monkeypatch.setattr(graph, "CHECK_ELEMENTS", 0)
+    net, x = _make("conv2d", F64)
+    assert LinearizedNet(net, example_input=x).backend == "graph"
+    bad = _FunctionalUse().double().eval()
+    lin = LinearizedNet(bad, example_input=torch.randn(3, 4, dtype=F64))
+    assert lin.backend == "functorch" and "did not match autograd's" in lin.backend_reason
