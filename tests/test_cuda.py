@@ -66,3 +66,19 @@ def test_cuda_float32_net(entry, case, record_property):
     for u, v in zip(estimator_outputs(a, Xt), estimator_outputs(b, Xt.astype(np.float32))):
         record_property("max_rel_diff", _max_rel(u, v))
         np.testing.assert_allclose(v, u, rtol=1e-3, atol=1e-6)
+
+
+@REGISTRY
+def test_cuda_cnn_graph_backend_matches_cpu(entry, cnn_cases, record_property):
+    """The graph backend (conv / BatchNorm / residual) on the GPU against the CPU, every
+    registered estimator on the contract's tiny CNN: the same backend chosen and the
+    same predictions (float32 convolutions: cuDNN and the CPU sum in other orders, so
+    the tolerance is the float32 contract's 1e-3, not the float64 MLP's 1e-6)."""
+    X, y, Xt, net = cnn_cases["classification" if entry.is_classifier else "regression"]
+    cpu = entry.make(net, device="cpu", random_state=0, batch_size=25).fit(X, y)
+    gpu = entry.make(net, device="cuda", random_state=0, batch_size=25).fit(X, y)
+    assert (getattr(gpu, "jacobian_backend_", "graph") ==
+            getattr(cpu, "jacobian_backend_", "graph") == "graph")
+    for u, v in zip(estimator_outputs(cpu, Xt), estimator_outputs(gpu, Xt)):
+        record_property("max_rel_diff", _max_rel(u, v))
+        np.testing.assert_allclose(v, u, rtol=1e-3, atol=1e-5)
