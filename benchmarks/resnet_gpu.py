@@ -6,8 +6,8 @@ P = 272,474) behind an ``nn.Unflatten`` (the estimators take 2-D ``X``: images a
 passed as flat rows of 3,072 pixels), trained here with SGD (momentum 0.9, lr 0.1 cosine, weight
 decay 5e-4, batch 128, ``--epochs``) on a synthetic CIFAR-shaped task (3 x 32 x 32, 10
 classes): each class is a smooth random colour template; an image is its class
-template, randomly shifted by up to 4 pixels and flipped, plus 0.6 times another
-class's template and Gaussian pixel noise. Situation (b): the net trained on all
+template, randomly shifted by up to 4 pixels and flipped, plus ``--mix`` times another
+class's template and Gaussian pixel noise of std ``--noise``. Situation (b): the net trained on all
 ``--n-train`` rows, ``fit(X, y)``; (c, ``--situation c``): trained on 90 % of them and
 ``fit(X, y, validation_data=the other 10 %)``.
 
@@ -89,7 +89,7 @@ def resnet20(n_classes=10):
     return ResNet20()
 
 
-def make_data(n_train, n_test, seed=0, n_classes=10, n_unseen=5):
+def make_data(n_train, n_test, seed=0, n_classes=10, n_unseen=5, mix=0.6, noise=0.9):
     """The synthetic CIFAR-shaped task (module docstring), float32 NCHW arrays."""
     import torch
 
@@ -103,12 +103,12 @@ def make_data(n_train, n_test, seed=0, n_classes=10, n_unseen=5):
     def draw(n, classes):
         y = classes[torch.randint(len(classes), (n,), generator=g)]
         other = classes[torch.randint(len(classes), (n,), generator=g)]
-        x = templates[y] + 0.6 * templates[other]
+        x = templates[y] + mix * templates[other]
         sx, sy = (torch.randint(-4, 5, (2, n), generator=g))
         x = torch.stack([torch.roll(xi, (int(a), int(b)), (1, 2)) for xi, a, b in zip(x, sx, sy)])
         flip = torch.rand(n, generator=g) < 0.5
         x[flip] = x[flip].flip(-1)
-        x = x + 0.9 * torch.randn(x.shape, generator=g)
+        x = x + noise * torch.randn(x.shape, generator=g)
         return x.float().reshape(n, -1).numpy(), y.numpy()
 
     seen, unseen = torch.arange(n_classes), torch.arange(n_classes, k)
@@ -187,6 +187,9 @@ def main(argv=None):
     ap.add_argument("--situation", choices=("b", "c"), default="b")
     ap.add_argument("--only", default="", help="comma-separated method names to run")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU smoke run")
+    ap.add_argument("--mix", type=float, default=0.6,
+                    help="weight of the other class's template in an image")
+    ap.add_argument("--noise", type=float, default=0.9, help="pixel noise std")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -198,7 +201,7 @@ def main(argv=None):
         args.n_train, args.n_test, args.epochs = 256, 64, 1
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
-    p = make_data(args.n_train, args.n_test)
+    p = make_data(args.n_train, args.n_test, mix=args.mix, noise=args.noise)
     Xtr, ytr, Xva, yva = p["Xtr"], p["ytr"], None, None
     if args.situation == "c":
         n = int(0.9 * len(Xtr))
