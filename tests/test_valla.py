@@ -698,3 +698,24 @@ def test_float32_net_matches_float64_at_the_kernel_accumulation(map_gap):
                                  random_state=0).fit(X.astype(np_dtype), y)
             out.append(est.predict(Xq.astype(np_dtype), return_std=True)[1])
         np.testing.assert_allclose(out[1], out[0], rtol=5e-5)
+
+
+def test_complement_row_products_factored_equal_dense():
+    """The complement's two row products from the structured chain's factors equal the
+    same products of dense Jacobian rows (3 outputs, a float64 net: the algebra to
+    round-off)."""
+    from sklearn_lla._posteriors.complement import mixed_sq_colsum, weighted_sq_norms
+
+    module = _mlp(4, (7, 5), 3, seed=1).double()
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    lin = LinearizedNet(module, example_input=x)
+    assert lin.backend == "structured"
+    J = lin.jacobian(x).double()  # (6, 3, P)
+    g = torch.Generator().manual_seed(1)
+    w = torch.rand(lin.n_params, generator=g, dtype=torch.float64)
+    M = torch.randn(6, 2, 3, generator=g, dtype=torch.float64)
+    np.testing.assert_allclose(weighted_sq_norms(lin, x, w).numpy(),
+                               ((J * J) @ w).numpy(), rtol=1e-10)
+    G = M @ J
+    np.testing.assert_allclose(mixed_sq_colsum(lin, x, M).numpy(),
+                               (G * G).sum((0, 1)).numpy(), rtol=1e-10, atol=1e-14)

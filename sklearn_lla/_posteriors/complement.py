@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 __all__ = ["KFACComplement", "supports_kfac_complement", "OUTSIDE_RTOL",
-           "DiagonalComplement", "row_subset"]
+           "DiagonalComplement", "row_subset", "weighted_sq_norms", "mixed_sq_colsum"]
 
 _F64 = torch.float64
 
@@ -365,6 +365,92 @@ def _row_norms(J: torch.Tensor, weights=None) -> torch.Tensor:
     return sq.sum(-1) if weights is None else sq @ weights
 
 
+def _factored(rows) -> bool:
+    """Whether ``rows`` are per-layer factors ``delta (x) a`` (the structured backend)."""
+    from .._network.structured.jacobian import StructuredJacobian
+
+    return isinstance(rows, StructuredJacobian)
+
+
+def weighted_sq_norms(lin, x, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_p J_c(x)_p^2 w_p`` per point and output, shape (B, C), float64.
+
+    From the per-layer factors without forming a row on the structured backend (for
+    a linear layer, ``sum_oi delta_o^2 W_oi a_i^2 = (delta^2)^T W (a^2)``), from the
+    dense rows otherwise.
+
+    Parameters
+    ----------
+    lin : LinearizedNet
+        The network.
+    x : Tensor of shape (B, ...)
+        Inputs.
+    weights : Tensor of shape (P,)
+        ``w``, over the linearised parameters.
+
+    Returns
+    -------
+    Tensor of shape (B, C)
+    """
+    with torch.no_grad():
+        rows = lin.rows(x)
+        if not _factored(rows):
+            return _row_norms(lin.jacobian(x).to(_F64), weights.to(_F64))
+        w = lin.unflatten(weights.to(_F64)[None])
+        B, k = rows.n_points, rows.rows_per_point
+        out = torch.zeros(B * k, dtype=_F64, device=weights.device)
+        for layer in rows.layers:
+            d2 = layer.delta.to(_F64) ** 2  # (B k, out)
+            if layer.has_weight:
+                W = w[layer.weight_name][0].to(_F64)  # (out, in)
+                a2 = layer.act.to(_F64) ** 2  # (B, in)
+                out += ((d2 @ W).view(B, k, -1) * a2[:, None, :]).sum(-1).reshape(-1)
+            if layer.has_bias:
+                out += d2 @ w[layer.bias_name][0].to(_F64)
+        return out.view(B, k)
+
+
+def mixed_sq_colsum(lin, x, M: torch.Tensor) -> torch.Tensor:
+    """``sum_b sum_j (sum_c M_bjc J_c(x_b))_p^2`` per parameter, shape (P,), float64.
+
+    The diagonal of ``sum_b J_b^T M_b^T M_b J_b``: with ``M_b M_b^T``-type factors of a
+    curvature, a diagonal GGN. Factored on the structured backend (mixing a point's
+    rows mixes only their ``delta``), from dense rows otherwise.
+
+    Parameters
+    ----------
+    lin : LinearizedNet
+        The network.
+    x : Tensor of shape (B, ...)
+        Inputs.
+    M : Tensor of shape (B, K, C)
+        The per-point mixing of the outputs' rows.
+
+    Returns
+    -------
+    Tensor of shape (P,)
+    """
+    from .._network.linearized import stack_flat
+
+    with torch.no_grad():
+        rows = lin.rows(x)
+        M = M.to(_F64)
+        if not _factored(rows):
+            G = M @ lin.jacobian(x).to(_F64)  # (B, K, P)
+            return (G * G).sum((0, 1))
+        B, k = rows.n_points, rows.rows_per_point
+        parts = {}
+        for layer in rows.layers:
+            d = torch.einsum("bjc,bco->bjo", M, layer.delta.to(_F64).view(B, k, -1))
+            d2 = (d * d).sum(1)  # (B, out)
+            if layer.has_weight:
+                a2 = layer.act.to(_F64) ** 2
+                parts[layer.weight_name] = (d2.T @ a2)[None]
+            if layer.has_bias:
+                parts[layer.bias_name] = d2.sum(0)[None]
+        return stack_flat(parts, lin.names)[0]
+
+
 class DiagonalComplement:
     """The diagonal posterior of the directions outside a kept span (module docstring).
 
@@ -395,8 +481,8 @@ class DiagonalComplement:
     >>> comp = DiagonalComplement(0.5, 3).finish(n_rows=0, n_total=0)
     >>> J = torch.tensor([[[1.0, 2.0, 0.0]]], dtype=torch.float64)  # (B, C, P)
     >>> R = torch.tensor([[[4.0]]], dtype=torch.float64)  # the span's residual
-    >>> comp.blocks(J, R)
-    tensor([[[2.]]], dtype=torch.float64)
+    >>> round(float(comp.blocks(J, R)[0, 0, 0]), 12)
+    2.0
     """
 
     def __init__(self, prior_variance: float, n_parameters: int, device="cpu"):
@@ -427,6 +513,28 @@ class DiagonalComplement:
             G = lam_factor.to(_F64).transpose(1, 2) @ (s[:, :, None] * J)  # (B, C, P)
             self.curvature += (G * G).sum((0, 1))
             self.n_rows += int(J.shape[0])
+        return self
+
+    def add_rows(self, lin, x, outside: torch.Tensor, lam_factor: torch.Tensor):
+        """:meth:`add` from the network's rows at ``x`` (factored where it can be).
+
+        Parameters
+        ----------
+        lin : LinearizedNet
+            The network.
+        x : Tensor of shape (B, ...)
+            A batch of training inputs.
+        outside, lam_factor : Tensor
+            As in :meth:`add`.
+
+        Returns
+        -------
+        self
+        """
+        s = torch.sqrt(torch.clamp(outside.to(_F64), 0.0, 1.0))
+        M = lam_factor.to(_F64).transpose(1, 2) * s[:, None, :]  # (B, C, C): A^T diag(s)
+        self.curvature += mixed_sq_colsum(lin, x, M).to(self.curvature.device)
+        self.n_rows += int(x.shape[0])
         return self
 
     def finish(self, n_rows: int, n_total: int):
@@ -469,13 +577,32 @@ class DiagonalComplement:
             return torch.where(den > 0, num / torch.where(den > 0, den, 1.0),
                                torch.full_like(den, self.prior_variance))
 
+    def inverse_precision_at(self, lin, x) -> torch.Tensor:
+        """:meth:`inverse_precision` from the network's rows at ``x`` (factored where it can).
+
+        Parameters
+        ----------
+        lin : LinearizedNet
+            The network.
+        x : Tensor of shape (B, ...)
+            Inputs.
+
+        Returns
+        -------
+        Tensor of shape (B, C)
+        """
+        num = weighted_sq_norms(lin, x, 1.0 / self.precision)
+        den = weighted_sq_norms(lin, x, torch.ones_like(self.precision))
+        return torch.where(den > 0, num / torch.where(den > 0, den, 1.0),
+                           torch.full_like(den, self.prior_variance))
+
     def blocks(self, J: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``S_perp(x) = w^(1/2) R w^(1/2)`` per point, shape (B, C, C), float64.
 
         Parameters
         ----------
-        J : Tensor of shape (B, C, P)
-            Jacobian rows at the points.
+        J : Tensor of shape (B, C, P) or Tensor of shape (B, C)
+            Jacobian rows at the points, or their :meth:`inverse_precision` already.
         residual : Tensor of shape (B, C, C)
             ``R``: the prior residual ``(Pi J^T)^T (Pi J^T)`` per point (unscaled by
             ``s0^2``).
@@ -484,7 +611,8 @@ class DiagonalComplement:
         -------
         Tensor of shape (B, C, C)
         """
-        s = torch.sqrt(self.inverse_precision(J))
+        w = J if J.dim() == 2 else self.inverse_precision(J)
+        s = torch.sqrt(w)
         return s[:, :, None] * residual.to(_F64) * s[:, None, :]
 
     def joint(self, J: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -492,8 +620,8 @@ class DiagonalComplement:
 
         Parameters
         ----------
-        J : Tensor of shape (B, C, P)
-            Jacobian rows at the points.
+        J : Tensor of shape (B, C, P) or Tensor of shape (B, C)
+            Jacobian rows at the points, or their :meth:`inverse_precision` already.
         residual : Tensor of shape (B C, B C)
             The prior residual between every pair (unscaled by ``s0^2``).
 
@@ -501,7 +629,8 @@ class DiagonalComplement:
         -------
         Tensor of shape (B C, B C)
         """
-        s = torch.sqrt(self.inverse_precision(J)).reshape(-1)
+        w = J if J.dim() == 2 else self.inverse_precision(J)
+        s = torch.sqrt(w).reshape(-1)
         return s[:, None] * residual.to(_F64) * s[None, :]
 
     def trace(self) -> dict:

@@ -376,7 +376,7 @@ class VaLLAPosterior(FixedMeanGPPosterior):
                 res = tot - torch.diagonal(nystrom_blocks(Kxz, chol), dim1=1, dim2=2)
                 rho = torch.where(tot > 0, res / torch.where(tot > 0, tot, 1.0), 0.0)
                 lam = self.likelihood.lam_factor(self._mean(lin, x))
-                comp.add(lin.jacobian(x), rho, lam)
+                comp.add_rows(lin, x, rho, lam)
         return comp.finish(len(idx), data.n_samples)
 
     def _prior_and_v(self, x):
@@ -391,7 +391,7 @@ class VaLLAPosterior(FixedMeanGPPosterior):
         Q = U @ U.transpose(-1, -2)
         residual = (Kxx.double() - Q) / self.kernel.prior_variance
         residual = 0.5 * (residual + residual.transpose(-1, -2))
-        return Q + comp.blocks(self._lin.jacobian(x), residual), V[..., :m]
+        return Q + comp.blocks(comp.inverse_precision_at(self._lin, x), residual), V[..., :m]
 
     def start(self, data, kernel, Z, cz, L_raw, log_noise):
         """Start at the optimum for the k-means inducing points (Proposition 3).
@@ -589,5 +589,5 @@ class VaLLAPosterior(FixedMeanGPPosterior):
             comp = self.__dict__.get("_complement")
             if comp is not None:
                 R = (self.kernel.joint(x) - K) / self.kernel.prior_variance
-                K = K + comp.joint(self._lin.jacobian(x), 0.5 * (R + R.T))
+                K = K + comp.joint(comp.inverse_precision_at(self._lin, x), 0.5 * (R + R.T))
         return mean, joint_cov(K, V)
