@@ -712,10 +712,10 @@ def test_complement_row_products_factored_equal_dense():
     assert lin.backend == "structured"
     J = lin.jacobian(x).double()  # (6, 3, P)
     g = torch.Generator().manual_seed(1)
-    w = torch.rand(lin.n_params, generator=g, dtype=torch.float64)
+    w = torch.rand(2, lin.n_params, generator=g, dtype=torch.float64)
     M = torch.randn(6, 2, 3, generator=g, dtype=torch.float64)
     np.testing.assert_allclose(weighted_sq_norms(lin, x, w).numpy(),
-                               ((J * J) @ w).numpy(), rtol=1e-10)
+                               ((J * J) @ w.T).numpy(), rtol=1e-10)
     G = M @ J
     np.testing.assert_allclose(mixed_sq_colsum(lin, x, M).numpy(),
                                (G * G).sum((0, 1)).numpy(), rtol=1e-10, atol=1e-14)

@@ -359,12 +359,6 @@ class KFACComplement:
 MAX_ROWS = 2000
 
 
-def _row_norms(J: torch.Tensor, weights=None) -> torch.Tensor:
-    """``sum_p J[..., p]^2 w_p`` over the last axis (``w = 1`` when None)."""
-    sq = J * J
-    return sq.sum(-1) if weights is None else sq @ weights
-
-
 def _factored(rows) -> bool:
     """Whether ``rows`` are per-layer factors ``delta (x) a`` (the structured backend)."""
     from .._network.structured.jacobian import StructuredJacobian
@@ -373,11 +367,11 @@ def _factored(rows) -> bool:
 
 
 def weighted_sq_norms(lin, x, weights: torch.Tensor) -> torch.Tensor:
-    """``sum_p J_c(x)_p^2 w_p`` per point and output, shape (B, C), float64.
+    """``sum_p J_c(x)_p^2 w_kp`` per point, output and weight vector, (B, C, K), float64.
 
     From the per-layer factors without forming a row on the structured backend (for
     a linear layer, ``sum_oi delta_o^2 W_oi a_i^2 = (delta^2)^T W (a^2)``), from the
-    dense rows otherwise.
+    dense rows otherwise; the rows at ``x`` are computed once for all ``K`` vectors.
 
     Parameters
     ----------
@@ -385,29 +379,31 @@ def weighted_sq_norms(lin, x, weights: torch.Tensor) -> torch.Tensor:
         The network.
     x : Tensor of shape (B, ...)
         Inputs.
-    weights : Tensor of shape (P,)
-        ``w``, over the linearised parameters.
+    weights : Tensor of shape (K, P)
+        ``K`` vectors ``w`` over the linearised parameters.
 
     Returns
     -------
-    Tensor of shape (B, C)
+    Tensor of shape (B, C, K)
     """
+    W64 = weights.to(_F64)
     with torch.no_grad():
         rows = lin.rows(x)
         if not _factored(rows):
-            return _row_norms(lin.jacobian(x).to(_F64), weights.to(_F64))
-        w = lin.unflatten(weights.to(_F64)[None])
-        B, k = rows.n_points, rows.rows_per_point
-        out = torch.zeros(B * k, dtype=_F64, device=weights.device)
+            J = lin.jacobian(x).to(_F64)  # (B, C, P)
+            return (J * J) @ W64.T
+        w = lin.unflatten(W64)
+        B, k, K = rows.n_points, rows.rows_per_point, W64.shape[0]
+        out = torch.zeros(B * k, K, dtype=_F64, device=W64.device)
         for layer in rows.layers:
             d2 = layer.delta.to(_F64) ** 2  # (B k, out)
             if layer.has_weight:
-                W = w[layer.weight_name][0].to(_F64)  # (out, in)
                 a2 = layer.act.to(_F64) ** 2  # (B, in)
-                out += ((d2 @ W).view(B, k, -1) * a2[:, None, :]).sum(-1).reshape(-1)
+                t = torch.einsum("ro,koi->rki", d2, w[layer.weight_name].to(_F64))
+                out += (t.view(B, k, K, -1) * a2[:, None, None, :]).sum(-1).reshape(-1, K)
             if layer.has_bias:
-                out += d2 @ w[layer.bias_name][0].to(_F64)
-        return out.view(B, k)
+                out += d2 @ w[layer.bias_name].to(_F64).T
+        return out.view(B, k, K)
 
 
 def mixed_sq_colsum(lin, x, M: torch.Tensor) -> torch.Tensor:
@@ -479,9 +475,9 @@ class DiagonalComplement:
     >>> import torch
     >>> from sklearn_lla._posteriors.complement import DiagonalComplement
     >>> comp = DiagonalComplement(0.5, 3).finish(n_rows=0, n_total=0)
-    >>> J = torch.tensor([[[1.0, 2.0, 0.0]]], dtype=torch.float64)  # (B, C, P)
+    >>> w = comp.precision.new_full((1, 1), 1.0 / float(comp.precision[0]))  # (B, C)
     >>> R = torch.tensor([[[4.0]]], dtype=torch.float64)  # the span's residual
-    >>> round(float(comp.blocks(J, R)[0, 0, 0]), 12)
+    >>> round(float(comp.blocks(w, R)[0, 0, 0]), 12)
     2.0
     """
 
@@ -490,33 +486,8 @@ class DiagonalComplement:
         self.curvature = torch.zeros(int(n_parameters), dtype=_F64, device=device)
         self.n_rows = 0
 
-    def add(self, J: torch.Tensor, outside: torch.Tensor, lam_factor: torch.Tensor):
-        """Accumulate a batch of training rows' curvature.
-
-        Parameters
-        ----------
-        J : Tensor of shape (B, C, P)
-            Their Jacobian rows.
-        outside : Tensor of shape (B, C)
-            ``rho``: the fraction of each row's squared norm outside the span, in [0, 1].
-        lam_factor : Tensor of shape (B, C, C)
-            ``A`` with ``A A^T = Lam`` (the likelihood's curvature at the network's
-            outputs).
-
-        Returns
-        -------
-        self
-        """
-        with torch.no_grad():
-            J = J.to(_F64)
-            s = torch.sqrt(torch.clamp(outside.to(_F64), 0.0, 1.0))
-            G = lam_factor.to(_F64).transpose(1, 2) @ (s[:, :, None] * J)  # (B, C, P)
-            self.curvature += (G * G).sum((0, 1))
-            self.n_rows += int(J.shape[0])
-        return self
-
     def add_rows(self, lin, x, outside: torch.Tensor, lam_factor: torch.Tensor):
-        """:meth:`add` from the network's rows at ``x`` (factored where it can be).
+        """Accumulate a batch of training rows' curvature (factored where it can be).
 
         Parameters
         ----------
@@ -524,8 +495,11 @@ class DiagonalComplement:
             The network.
         x : Tensor of shape (B, ...)
             A batch of training inputs.
-        outside, lam_factor : Tensor
-            As in :meth:`add`.
+        outside : Tensor of shape (B, C)
+            ``rho``: the fraction of each row's squared norm outside the span, in [0, 1].
+        lam_factor : Tensor of shape (B, C, C)
+            ``A`` with ``A A^T = Lam`` (the likelihood's curvature at the network's
+            outputs).
 
         Returns
         -------
@@ -557,28 +531,11 @@ class DiagonalComplement:
         self.precision = self.curvature + 1.0 / self.prior_variance
         return self
 
-    def inverse_precision(self, J: torch.Tensor) -> torch.Tensor:
+    def inverse_precision(self, lin, x) -> torch.Tensor:
         """``w_c = J_c D^-1 J_c^T / J_c J_c^T`` per point and output, shape (B, C).
 
-        Parameters
-        ----------
-        J : Tensor of shape (B, C, P)
-            Jacobian rows.
-
-        Returns
-        -------
-        Tensor of shape (B, C)
-            In ``(0, s0^2]``; ``s0^2`` for a zero row.
-        """
-        with torch.no_grad():
-            J = J.to(_F64)
-            num = _row_norms(J, 1.0 / self.precision)
-            den = _row_norms(J)
-            return torch.where(den > 0, num / torch.where(den > 0, den, 1.0),
-                               torch.full_like(den, self.prior_variance))
-
-    def inverse_precision_at(self, lin, x) -> torch.Tensor:
-        """:meth:`inverse_precision` from the network's rows at ``x`` (factored where it can).
+        From the network's rows at ``x`` (factored where it can, see
+        :func:`weighted_sq_norms`).
 
         Parameters
         ----------
@@ -590,19 +547,21 @@ class DiagonalComplement:
         Returns
         -------
         Tensor of shape (B, C)
+            In ``(0, s0^2]``; ``s0^2`` for a zero row.
         """
-        num = weighted_sq_norms(lin, x, 1.0 / self.precision)
-        den = weighted_sq_norms(lin, x, torch.ones_like(self.precision))
+        both = torch.stack([1.0 / self.precision, torch.ones_like(self.precision)])
+        nd = weighted_sq_norms(lin, x, both)
+        num, den = nd[..., 0], nd[..., 1]
         return torch.where(den > 0, num / torch.where(den > 0, den, 1.0),
                            torch.full_like(den, self.prior_variance))
 
-    def blocks(self, J: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def blocks(self, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``S_perp(x) = w^(1/2) R w^(1/2)`` per point, shape (B, C, C), float64.
 
         Parameters
         ----------
-        J : Tensor of shape (B, C, P) or Tensor of shape (B, C)
-            Jacobian rows at the points, or their :meth:`inverse_precision` already.
+        w : Tensor of shape (B, C)
+            :meth:`inverse_precision` at the points.
         residual : Tensor of shape (B, C, C)
             ``R``: the prior residual ``(Pi J^T)^T (Pi J^T)`` per point (unscaled by
             ``s0^2``).
@@ -611,17 +570,16 @@ class DiagonalComplement:
         -------
         Tensor of shape (B, C, C)
         """
-        w = J if J.dim() == 2 else self.inverse_precision(J)
-        s = torch.sqrt(w)
+        s = torch.sqrt(w.to(_F64))
         return s[:, :, None] * residual.to(_F64) * s[:, None, :]
 
-    def joint(self, J: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def joint(self, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``S_perp`` between every output of every point, shape (B C, B C).
 
         Parameters
         ----------
-        J : Tensor of shape (B, C, P) or Tensor of shape (B, C)
-            Jacobian rows at the points, or their :meth:`inverse_precision` already.
+        w : Tensor of shape (B, C)
+            :meth:`inverse_precision` at the points.
         residual : Tensor of shape (B C, B C)
             The prior residual between every pair (unscaled by ``s0^2``).
 
@@ -629,8 +587,7 @@ class DiagonalComplement:
         -------
         Tensor of shape (B C, B C)
         """
-        w = J if J.dim() == 2 else self.inverse_precision(J)
-        s = torch.sqrt(w).reshape(-1)
+        s = torch.sqrt(w.to(_F64)).reshape(-1)
         return s[:, None] * residual.to(_F64) * s[None, :]
 
     def trace(self) -> dict:

@@ -391,7 +391,7 @@ class VaLLAPosterior(FixedMeanGPPosterior):
         Q = U @ U.transpose(-1, -2)
         residual = (Kxx.double() - Q) / self.kernel.prior_variance
         residual = 0.5 * (residual + residual.transpose(-1, -2))
-        return Q + comp.blocks(comp.inverse_precision_at(self._lin, x), residual), V[..., :m]
+        return Q + comp.blocks(comp.inverse_precision(self._lin, x), residual), V[..., :m]
 
     def start(self, data, kernel, Z, cz, L_raw, log_noise):
         """Start at the optimum for the k-means inducing points (Proposition 3).
@@ -589,5 +589,5 @@ class VaLLAPosterior(FixedMeanGPPosterior):
             comp = self.__dict__.get("_complement")
             if comp is not None:
                 R = (self.kernel.joint(x) - K) / self.kernel.prior_variance
-                K = K + comp.joint(comp.inverse_precision_at(self._lin, x), 0.5 * (R + R.T))
+                K = K + comp.joint(comp.inverse_precision(self._lin, x), 0.5 * (R + R.T))
         return mean, joint_cov(K, V)

@@ -25,6 +25,8 @@ parameter-space basis).
 
 from __future__ import annotations
 
+import abc
+
 import torch
 from torch import Tensor
 from torch.func import jacrev, vjp, vmap
@@ -64,7 +66,7 @@ def gram64(a: Tensor, b: Tensor | None = None) -> Tensor:
     return out.triu_().add_(out.triu(1).T).contiguous()
 
 
-class Rows:
+class Rows(abc.ABC):
     """Jacobian rows of a set of points (row ``r`` belongs to point ``r // rows_per_point``).
 
     The interface the posteriors use to pair rows: :meth:`gram` (float64, no graph),
@@ -77,29 +79,29 @@ class Rows:
     rows_per_point: int
     n_rows: int
 
+    @abc.abstractmethod
     def gram(self, other=None) -> Tensor:  # pragma: no cover - interface
         """``R_self R_other^T``, float64 (``other=None``: ``self``)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def cross_gram(self, other=None) -> Tensor:  # pragma: no cover - interface
         """:meth:`gram` written so that autograd differentiates through it."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def diag_blocks(self) -> Tensor:  # pragma: no cover - interface
         """The per-point blocks of :meth:`gram`, ``(n_points, k, k)``, float64."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def vjp(self, U: Tensor) -> dict:  # pragma: no cover - interface
         """``R^T U`` per parameter, ``{name: (K, *shape)}``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def matmul(self, V: dict) -> Tensor:  # pragma: no cover - interface
         """``R V`` of shape ``(n_rows, K)`` for directions ``{name: (K, *shape)}``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def dense(self) -> Tensor:  # pragma: no cover - interface
         """The explicit rows ``(n_rows, P)``."""
-        raise NotImplementedError
 
 
 class DenseRows(Rows):
