@@ -322,3 +322,29 @@ def test_check_on_one_output_per_row_for_large_nets(monkeypatch):
     bad = _FunctionalUse().double().eval()
     lin = LinearizedNet(bad, example_input=torch.randn(3, 4, dtype=F64))
     assert lin.backend == "functorch" and "did not match autograd's" in lin.backend_reason
+
+
+def test_small_budgets_give_the_same_products(monkeypatch):
+    """Chunked products (one point per chunk) and the Gram accumulated over float64
+    column blocks (a few columns at a time) equal the dense reference: the budgets
+    bound memory, they never change a number."""
+    from sklearn_lla._network.backends import base, graph
+
+    net, x = _make("conv2d", F64)
+    lin = LinearizedNet(net, example_input=x)
+    J = dense_jacobian(net, x)
+    B, C, P = J.shape
+    idx = torch.arange(B) % C
+    Ji = J[torch.arange(B), idx]
+    monkeypatch.setattr(graph, "CHUNK_ELEMENTS", 1)  # one point per chunk
+    monkeypatch.setattr(base, "GRAM_BLOCK_ELEMENTS", 3 * B * C)  # 3-column blocks
+    assert lin.jacobian_backend.kernel_step(1) == 1
+    _close(lin.kernel(x, out1=idx), Ji @ Ji.T, 1e-12)
+    Jf = J.reshape(B * C, P)
+    _close(lin.kernel(x, n_outputs=C), Jf @ Jf.T, 1e-12)
+    U = torch.randn(B, 4, generator=torch.Generator().manual_seed(0), dtype=F64)
+    _close(_flat(lin.gradient_rows_vjp(x, idx, U), lin.names), (Ji.T @ U).T, 1e-12)
+    a = torch.randn(70, 50, dtype=F64)  # the CPU syrk path, accumulated over blocks
+    _close(base.gram64(a), a @ a.T, 1e-13)
+    _close(base.gram64(a, a[:9]), a @ a[:9].T, 1e-13)
+    assert base.device_budget(123, "cpu") == 123

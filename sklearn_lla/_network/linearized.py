@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from .backends.base import JacobianBackend, Rows
+from .backends.base import JacobianBackend, Rows, device_budget
 from .backends.chain import ChainBackend
 from .backends.graph import GraphBackend
 from .structured.chain import StructuredChain
@@ -560,13 +560,15 @@ class LinearizedNet:
         n_outputs : int
             ``C``.
         budget : int, default=2**25
-            Tensor elements allowed for one chunk.
+            Tensor elements allowed for one chunk on the CPU (scaled for a CUDA
+            device by :func:`~sklearn_lla._network.backends.base.device_budget`).
 
         Returns
         -------
         int
             At least 1.
         """
+        budget = device_budget(budget, self.device)
         return max(1, budget // max(1, n_outputs * self.n_params))
 
     def jacobian_chunks(self, X: Tensor, n_outputs: int,

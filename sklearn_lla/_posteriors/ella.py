@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from .._core.linalg import safe_eigh
+from .._network.backends.base import device_budget
 from .glm import Features
 
 __all__ = ["AUTO_COST_BUDGET", "AUTO_MIN_COMPONENTS", "NystromFeatures", "nystrom_basis"]
@@ -55,7 +56,7 @@ AUTO_MIN_COMPONENTS = 20
 
 #: Elements (network dtype) of the ``M`` Nystrom rows held at once to reuse them for
 #: ``V`` (factored rows hold far fewer than ``M x P``).
-ROWS_HELD = 2**26
+ROWS_HELD = 2**27
 
 
 def _top_eigh(Kt, k):
@@ -149,7 +150,7 @@ def nystrom_basis(lin, data, n_nystrom, n_components, generator, chunk=4096, pai
     Xm, _ = data.rows(idx)
     out_t = torch.as_tensor(out, device=Xm.device)
     rows = None
-    if len(idx) * lin.row_elements() <= ROWS_HELD:
+    if len(idx) * lin.row_elements() <= device_budget(ROWS_HELD, lin.device):
         # the M rows fit: computed once, for the Gram and for V = Jt^T U
         with torch.no_grad():
             rows = lin.rows(Xm, out_t)

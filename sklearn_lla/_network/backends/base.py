@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from torch.func import jacrev, vjp, vmap
 
-__all__ = ["DenseRows", "FactoredBackend", "JacobianBackend", "Rows", "gram64"]
+__all__ = ["DenseRows", "FactoredBackend", "JacobianBackend", "Rows", "device_budget", "gram64"]
 
 _F64 = torch.float64
 
@@ -39,10 +39,49 @@ _F64 = torch.float64
 #: at once: rows are computed once per panel of this size, not once per Gram block.
 PANEL_ELEMENTS = 2**26
 
+#: How many times a CPU element budget a CUDA device's products may hold (kernel
+#: launches, not memory, bound a GPU's small chunks), capped by :data:`CUDA_SHARE`.
+CUDA_SCALE = 8
+
+#: The largest share of a CUDA device's memory one budgeted tensor may take.
+CUDA_SHARE = 1 / 16
+
+#: Elements of a float64 column block :func:`gram64` converts at once: the product of
+#: wide rows is accumulated over column blocks, never through a float64 copy of all.
+GRAM_BLOCK_ELEMENTS = 2**24
+
+
+def device_budget(elements: int, device) -> int:
+    """An element budget set for the CPU, scaled for ``device``.
+
+    On a CUDA device, :data:`CUDA_SCALE` times ``elements`` (larger chunks: a GPU's
+    time on small ones goes to kernel launches), at most :data:`CUDA_SHARE` of its
+    memory in float32 elements; on any other device, ``elements``.
+
+    Parameters
+    ----------
+    elements : int
+        The CPU budget, in tensor elements.
+    device : torch.device or str
+        Where the tensors live.
+
+    Returns
+    -------
+    int
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return int(elements)
+    total = torch.cuda.get_device_properties(device).total_memory
+    return int(min(elements * CUDA_SCALE, max(elements, total * CUDA_SHARE // 4)))
+
 
 def gram64(a: Tensor, b: Tensor | None = None) -> Tensor:
     """``a b^T`` in float64 (``b=None``: ``a a^T``, by BLAS ``syrk`` on the CPU: half
     the multiplications of a general product).
+
+    Rows wider than :data:`GRAM_BLOCK_ELEMENTS` allows are paired block of columns by
+    block of columns, so no float64 copy of the whole of ``a`` is made.
 
     Parameters
     ----------
@@ -53,17 +92,32 @@ def gram64(a: Tensor, b: Tensor | None = None) -> Tensor:
     -------
     Tensor of shape (n, m), dtype float64
     """
+    n, p = a.shape
+    rows = max(n, 1 if b is None else b.shape[0])
+    width = max(1, GRAM_BLOCK_ELEMENTS // max(1, rows))
+    if a.requires_grad or (b is not None and b.requires_grad) or width >= p:
+        return _gram64_block(a, b)
+    out = None
+    for s in range(0, p, width):
+        blk = _gram64_block(a[:, s:s + width], None if b is None else b[:, s:s + width],
+                            out)
+        out = blk
+    return out
+
+
+def _gram64_block(a: Tensor, b: Tensor | None, acc: Tensor | None = None) -> Tensor:
+    """``a b^T`` in float64, added to ``acc`` in place when given."""
     a64 = a.to(_F64)
-    if b is not None:
-        return a64 @ b.to(_F64).T
-    if a64.device.type != "cpu" or a64.requires_grad or a64.shape[0] < 64:
-        return a64 @ a64.T
+    if b is not None or a64.device.type != "cpu" or a64.requires_grad or a64.shape[0] < 64:
+        prod = a64 @ (a64 if b is None else b.to(_F64)).T
+        return prod if acc is None else acc.add_(prod)
     from scipy.linalg.blas import dsyrk
 
     arr = a64.detach().contiguous().numpy()
-    up = dsyrk(1.0, arr.T, trans=1)  # arr.T is Fortran-ordered: arr arr^T, upper part
-    out = torch.from_numpy(up)
-    return out.triu_().add_(out.triu(1).T).contiguous()
+    # arr.T is Fortran-ordered: arr arr^T, upper triangle; mirrored once at the end
+    up = torch.from_numpy(dsyrk(1.0, arr.T, trans=1)).triu_()
+    out = up.add_(up.triu(1).T)
+    return out.contiguous() if acc is None else acc.add_(out)
 
 
 class Rows(abc.ABC):
@@ -382,7 +436,7 @@ class JacobianBackend:
         chunks1 = [slice(i, min(i + step, n1)) for i in range(0, n1, step)]
         chunks2 = chunks1 if same else [slice(j, min(j + step, n2)) for j in range(0, n2, step)]
         per_chunk = max(1, step * r1 * self.row_elements())
-        panel = max(1, PANEL_ELEMENTS // per_chunk)
+        panel = max(1, device_budget(PANEL_ELEMENTS, self.lin.device) // per_chunk)
 
         def rows(X, o, sl):
             with torch.no_grad():
@@ -430,8 +484,13 @@ class FactoredBackend(JacobianBackend):
         return self.rows(x, out_idx, differentiable).dense()
 
     def gradient_rows_vjp(self, x: Tensor, out_idx: Tensor, U: Tensor) -> dict:
+        step = self.kernel_step(1)
+        res = None
         with torch.no_grad():
-            return self.rows(x, out_idx).vjp(U)
+            for s in range(0, x.shape[0], step):
+                part = self.rows(x[s:s + step], out_idx[s:s + step]).vjp(U[s:s + step])
+                res = part if res is None else {n: res[n] + part[n] for n in res}
+        return res
 
     def ntk(self, x1: Tensor, x2: Tensor | None, out1=None, out2=None) -> Tensor:
         with torch.no_grad():

@@ -9,7 +9,8 @@ operation -- is differentiated by autograd, so the graph needs no tracing.
 One forward pass records, at each of those modules, its input ``a_l`` and adds a zero
 tensor ``eps_l`` to its output; one backward pass per output (or a single one when
 each point has one selected output) gives every layer's back-propagated signal
-``delta_l = d g / d eps_l`` for all rows at once. The Jacobian row blocks follow in
+``delta_l = d g / d eps_l`` for all rows at once (all ``C`` outputs by one backward
+pass batched over the cotangents). The Jacobian row blocks follow in
 closed form:
 
 * ``nn.Linear`` on ``(B, i)`` inputs: the factor ``delta_l (x) a_l``, never formed
@@ -41,7 +42,7 @@ from torch import Tensor, nn
 
 from ..structured.jacobian import LayerFactor, StructuredJacobian, _to_f64
 from ..structured.trace import share_copy
-from .base import DenseRows, FactoredBackend, Rows, gram64
+from .base import DenseRows, FactoredBackend, Rows, device_budget, gram64
 
 __all__ = ["GraphBackend", "GraphRows"]
 
@@ -356,6 +357,7 @@ class GraphBackend(FactoredBackend):
         self.layers = layers
         self._local = threading.local()
         self._cost = None  # elements per (point, row) of a product, set by build
+        self._signal = 0  # elements of the back-propagated signals per row
 
     def __getstate__(self):  # pragma: no cover - LinearizedNet rebuilds backends
         raise TypeError("a GraphBackend is rebuilt by its LinearizedNet, not pickled")
@@ -418,9 +420,10 @@ class GraphBackend(FactoredBackend):
             return None, ("the graph backend's Jacobian did not match autograd's on "
                           f"example_input (max difference {err:.3g})")
         R = backend.rows(x2[:1])
+        # per row: its dense blocks, its factors and the signals of its backward pass
         backend._cost = (int(R.D.shape[1]) if R.D is not None else 0) + sum(
             int(f.delta.shape[1]) + int(f.act.shape[1]) for f in
-            (R.factors.layers if R.factors is not None else []))
+            (R.factors.layers if R.factors is not None else [])) + backend._signal
         kinds: dict[str, int] = {}
         for layer in layers:
             kinds[layer.kind] = kinds.get(layer.kind, 0) + 1
@@ -476,56 +479,82 @@ class GraphBackend(FactoredBackend):
         B, C = g.shape
         used = [i for i in range(len(self.layers)) if rec.eps[i] is not None]
         eps = [rec.eps[i] for i in used]
-        if out_idx is None:  # one backward pass per output, rows b * C + c
+        self._signal = sum(e[0].numel() for e in eps)  # per row, for the chunk budget
+        named = dict(mod.named_modules())
+        caches: dict[int, dict] = {i: {} for i in used}
+        factors: dict[int, LayerFactor] = {}
+        fdeltas: dict[int, list] = {}
+        dlists: dict[str, list] = {}
+        D, offsets = None, {}
+
+        def blocks_of(grads, k):
+            """Every layer's blocks for signals ``(B * k, ...)``, rows ``b * k + c``."""
+            out = {}
+            for j, i in enumerate(used):
+                d = grads[j] if grads[j] is not None else eps[j].new_zeros(
+                    (B * k,) + eps[j].shape[1:])
+                layer = self.layers[i]
+                f, b = _layer_blocks(layer, named[layer.path], rec.acts[i],
+                                     d if diff else d.detach(), k, caches[i])
+                if f is not None:
+                    factors[i] = f
+                    fdeltas.setdefault(i, []).append(f.delta)
+                out.update(b)
+            return out
+
+        if out_idx is not None:  # one backward pass: each point's selected output
+            k = 1
+            cot = F.one_hot(out_idx, C).to(g.dtype)
+            with torch.enable_grad():
+                grads = torch.autograd.grad(g, eps, cot, retain_graph=diff,
+                                            create_graph=diff, allow_unused=True)
+            with torch.set_grad_enabled(diff):
+                parts = [blocks_of(grads, 1)]
+        elif diff:  # one backward pass per output (differentiable), rows b * C + c
             k = C
-            cots = []
+            parts = []
             for c in range(C):
                 cot = torch.zeros_like(g)
                 cot[:, c] = 1.0
-                cots.append(cot)
-        else:  # one backward pass: each point's selected output
-            k = 1
-            cots = [F.one_hot(out_idx, C).to(g.dtype)]
-        named = dict(mod.named_modules())
-        factors: dict[int, LayerFactor] = {}
-        fdeltas: dict[int, list] = {}
-        D, offsets, dlists = None, {}, {}
-        caches: dict[int, dict] = {i: {} for i in used}
-        for ci, cot in enumerate(cots):
+                with torch.enable_grad():
+                    grads = torch.autograd.grad(g, eps, cot, retain_graph=True,
+                                                create_graph=True, allow_unused=True)
+                parts.append(blocks_of(grads, 1))
+        else:
+            # all C outputs by one backward pass batched over the cotangents (vmap):
+            # C passes' work in one, the launches of one pass (what a GPU waits on)
+            k = C
+            cots = torch.eye(C, dtype=g.dtype, device=g.device)[:, None, :].expand(C, B, C)
             with torch.enable_grad():
-                grads = torch.autograd.grad(g, eps, cot, retain_graph=diff or ci < k - 1,
-                                            create_graph=diff, allow_unused=True)
-            with torch.set_grad_enabled(diff):
-                blocks = {}
-                for j, i in enumerate(used):
-                    d = grads[j] if grads[j] is not None else torch.zeros_like(eps[j])
-                    layer = self.layers[i]
-                    f, b = _layer_blocks(layer, named[layer.path], rec.acts[i],
-                                         d if diff else d.detach(), 1, caches[i])
-                    if f is not None:
-                        factors[i] = f
-                        fdeltas.setdefault(i, []).append(f.delta)
-                    blocks.update(b)
-                if diff:
-                    for n, blk in blocks.items():
-                        dlists.setdefault(n, []).append(blk)
-                    continue
-                if D is None and blocks:  # the first output: the layout of the dense blocks
-                    start = 0
-                    for n in lin.names:
-                        if n in blocks:
-                            offsets[n] = (start, start + blocks[n].shape[1])
-                            start += blocks[n].shape[1]
-                    D = torch.empty(B, k, start, dtype=g.dtype, device=g.device)
+                grads = torch.autograd.grad(g, eps, cots, is_grads_batched=True,
+                                            allow_unused=True)
+            grads = [None if d is None else d.transpose(0, 1).reshape(B * C, *d.shape[2:])
+                     for d in grads]
+            with torch.no_grad():
+                parts = [blocks_of(grads, C)]
+        if diff:
+            for blocks in parts:
                 for n, blk in blocks.items():
-                    D[:, ci, offsets[n][0]:offsets[n][1]] = blk
+                    dlists.setdefault(n, []).append(blk)
+        else:
+            (blocks,) = parts
+            start = 0
+            for n in lin.names:
+                if n in blocks:
+                    offsets[n] = (start, start + blocks[n].shape[1])
+                    start += blocks[n].shape[1]
+            if blocks:
+                D = torch.empty(B * k, start, dtype=g.dtype, device=g.device)
+                for n, blk in blocks.items():
+                    D[:, offsets[n][0]:offsets[n][1]] = blk
         dnames = [n for n in lin.names if n in (dlists if diff else offsets)]
         if diff and dnames:
-            D = torch.cat([torch.stack(dlists[n], 1) for n in dnames], dim=2)
+            D = torch.cat([torch.stack(dlists[n], 1).reshape(B * k, -1) for n in dnames], dim=1)
         layers = []
         for i in sorted(factors):
             f = factors[i]
-            delta = fdeltas[i][0] if k == 1 else torch.stack(fdeltas[i], 1).reshape(B * k, -1)
+            ds = fdeltas[i]
+            delta = ds[0] if len(ds) == 1 else torch.stack(ds, 1).reshape(B * k, -1)
             layers.append(LayerFactor(delta, f.act, f.weight_name, f.bias_name))
         fnames = [n for n in lin.names
                   if any(n in (f.weight_name, f.bias_name) for f in layers)]
@@ -539,7 +568,8 @@ class GraphBackend(FactoredBackend):
         return self._cost
 
     def kernel_step(self, rows_per_point: int) -> int:
-        return max(1, CHUNK_ELEMENTS // max(1, rows_per_point * self._cost))
+        budget = device_budget(CHUNK_ELEMENTS, self.lin.device)
+        return max(1, budget // max(1, rows_per_point * self._cost))
 
     def ntk_diag_blocks(self, x: Tensor) -> Tensor:
         step = self.kernel_step(self.lin.n_outputs(x))
