@@ -395,7 +395,8 @@ def check_grid_edges(search, *, warn=True):
                     "scored on rows the network was trained on, a likelihood is won by deleting "
                     "the posterior (every grid's floor wins, and the uncertainty off the data is "
                     "gone). Score on rows the network did not see (a PredefinedSplit with "
-                    "held-out rows as the test fold), or keep prior_variance='auto' "
-                    "(docs/model-selection.md)")
+                    "held-out rows as the test fold) with prior_search_scoring(), which also "
+                    "keeps the posterior where those rows cannot tell candidates apart, or "
+                    "keep prior_variance='auto' (docs/model-selection.md)")
         warnings.warn(msg, HyperparameterWarning, stacklevel=2)
     return edges
