@@ -10,14 +10,26 @@ For each data set and seed: the splits and the ``train_split=None`` net of
 * ``perturbed0.5`` / ``perturbed1``: the mean of the NLL on the fold and on a copy of
   it with the (standardised) inputs perturbed by N(0, s^2);
 * ``heldout-fold``: the NLL on the validation rows (a ``PredefinedSplit``), then the
-  best prior refitted on the training rows.
+  best prior refitted on the training rows;
+* ``1se-evidence``: the recipe the README ships, ``GridSearchCV(..., cv=PredefinedSplit,
+  **prior_search_scoring())``: the candidates whose held-out NLL is within one standard
+  error of the best are tied, the largest evidence among them wins, refitted on all rows;
+* ``1se-largest``: the same rule with the largest tied prior as the tie-break;
+* ``cv-cqm`` (regression): the CQM (interval calibration) on 3 folds of the training rows;
+* ``quantile-folds`` (regression): the NLL on 3 extrapolation folds (terciles of the
+  feature with the most distinct values, ``GroupKFold``) of the training rows.
+
+The recipes of the first table of docs/model-selection.md (``cv-nll``, ``evidence``,
+``perturbed*``) run only with ``--old``. ``readme`` is the README's 1-D data and net
+(shifted rows 3.5 <= x <= 6). Grids: regression 10^-3 ... 10^2 in half decades, digits
+10^-3 ... 10 in decades.
 
 Reported per recipe: in-distribution test NLL, shifted NLL (regression) or noise-image
 OOD AUC (digits), the chosen prior and whether it is an edge of the grid. One JSON line
 per (data set, seed)::
 
-    python benchmarks/prior_search.py friedman1 0,1
-    python benchmarks/prior_search.py digits 0
+    python benchmarks/prior_search.py friedman1 0,1,2
+    python benchmarks/prior_search.py digits 0,1
 """
 import json
 import sys
@@ -32,15 +44,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import train_skorch_mlp  # noqa: E402
 from calibration import problem  # noqa: E402
 from sklearn.metrics import log_loss  # noqa: E402
-from sklearn.model_selection import GridSearchCV, PredefinedSplit  # noqa: E402
+from sklearn.model_selection import GridSearchCV, GroupKFold, PredefinedSplit  # noqa: E402
 
 from sklearn_lla import LLAClassifier, LLARegressor  # noqa: E402
 from sklearn_lla.metrics import (  # noqa: E402
     gaussian_nll,
+    neg_cqm_scorer,
     neg_log_loss_scorer,
     neg_nll_scorer,
     ood_auc,
 )
+from sklearn_lla.model_selection import OneStandardErrorRule, prior_search_scoring  # noqa: E402
 
 
 def evidence_per_row(est, X, y):
@@ -55,6 +69,30 @@ def perturbed(scale, base):
         Xp = (X + scale * rng.randn(*X.shape)).astype(X.dtype)
         return 0.5 * (base(est, X, y) + base(est, Xp, y))
     return scorer
+
+
+def readme_problem(seed):
+    """The README's 1-D data and net; shifted rows: 3.5 <= x <= 6, beyond the data."""
+    from skorch import NeuralNetRegressor
+
+    from sklearn_lla.nets import MLP
+
+    def draw(n, lo, hi, s):
+        rng = np.random.RandomState(s)
+        X = rng.uniform(lo, hi, (n, 1)).astype(np.float32)
+        return X, (np.sin(2 * X) + 0.2 * rng.randn(n, 1)).astype(np.float32)
+
+    Xtr, ytr = draw(300, -3, 3, seed)
+    Xva, yva = draw(100, -3, 3, 1000 + seed)
+    Xte, yte = draw(300, -3, 3, 2000 + seed)
+    Xsh, ysh = draw(300, 3.5, 6, 3000 + seed)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        net = NeuralNetRegressor(MLP, module__n_features=1, module__hidden_layer_sizes=(50, 50),
+                                 optimizer=torch.optim.Adam, lr=1e-2, max_epochs=200,
+                                 train_split=None, verbose=0).fit(Xtr, ytr)
+    return dict(classification=False, n_out=1, mu=0.0, sd=1.0, Xtr=Xtr, ytr=ytr.ravel(), Xva=Xva,
+                yva=yva.ravel(), Xte=Xte, yte=yte.ravel(), Xsh=Xsh, ysh=ysh.ravel(), net=net)
 
 
 def gap_problem(seed):
@@ -77,10 +115,10 @@ def gap_problem(seed):
 
 def run(name, seed, grid, hidden, cv=3):
     """Every recipe on one (data set, seed): ``{recipe: metrics}``."""
-    p = gap_problem(seed) if name == "gap" else problem(name, seed)
+    p = {"gap": gap_problem, "readme": readme_problem}.get(name, lambda s: problem(name, s))(seed)
     clf = p["classification"]
-    net = train_skorch_mlp(p["Xtr"], p["ytr"], clf, p["n_out"], hidden=hidden, seed=seed,
-                           holdout=False)
+    net = p.get("net") or train_skorch_mlp(p["Xtr"], p["ytr"], clf, p["n_out"], hidden=hidden,
+                                           seed=seed, holdout=False)
     Est = LLAClassifier if clf else LLARegressor
     base = neg_log_loss_scorer if clf else neg_nll_scorer
 
@@ -88,8 +126,8 @@ def run(name, seed, grid, hidden, cv=3):
         if clf:
             return dict(NLL=log_loss(p["yte"], pred(p["Xte"]), labels=np.arange(p["n_out"])),
                         AUC=ood_auc(pred(p["Xte"]), pred(p["ood"]["noise"])))
-        mt, st = pred(p["Xte"])
-        ms, ss = pred(p["Xsh"])
+        mt, st = (np.ravel(a) for a in pred(p["Xte"]))
+        ms, ss = (np.ravel(a) for a in pred(p["Xsh"]))
         return dict(NLL=gaussian_nll(p["yte"], mt * p["sd"] + p["mu"], st * p["sd"]),
                     shift=gaussian_nll(p["ysh"], ms * p["sd"] + p["mu"], ss * p["sd"]))
 
@@ -112,6 +150,8 @@ def run(name, seed, grid, hidden, cv=3):
     out["default"] = dict(metrics(predictor(d)), pv=d.prior_variance_, t=time.time() - t)
     recipes = {"cv-" + ("logloss" if clf else "nll"): base, "evidence": evidence_per_row,
                "perturbed0.5": perturbed(0.5, base), "perturbed1": perturbed(1.0, base)}
+    if not OLD:
+        recipes = {}
     for rn, sc in recipes.items():
         t = time.time()
         gs = GridSearchCV(Est(net, random_state=seed), {"prior_variance": grid}, scoring=sc,
@@ -130,12 +170,43 @@ def run(name, seed, grid, hidden, cv=3):
     b = Est(net, prior_variance=pv, random_state=seed).fit(p["Xtr"], p["ytr"])
     out["heldout-fold"] = dict(metrics(predictor(b)), pv=pv,
                                edge=bool(pv in (grid[0], grid[-1])), t=time.time() - t)
+    # the shipped recipe (README): the same held-out fold, prior_search_scoring's one-SE
+    # rule with the evidence as tie-break, refitted on all rows; then the rule's other
+    # tie-break (the largest tied prior) on the same cv_results_
+    t = time.time()
+    gs = GridSearchCV(Est(net, random_state=seed), {"prior_variance": grid},
+                      cv=PredefinedSplit(fold), **prior_search_scoring(clf)).fit(Xa, ya)
+    pv = gs.best_params_["prior_variance"]
+    out["1se-evidence"] = dict(metrics(predictor(gs.best_estimator_)), pv=pv,
+                               edge=bool(pv in (grid[0], grid[-1])), t=time.time() - t)
+    t = time.time()
+    pv = grid[OneStandardErrorRule(prefer="largest")(gs.cv_results_)]
+    b = Est(net, prior_variance=pv, random_state=seed).fit(Xa, ya)
+    out["1se-largest"] = dict(metrics(predictor(b)), pv=pv, edge=bool(pv in (grid[0], grid[-1])),
+                              t=time.time() - t)
+    out["heldout-curve"] = [round(-v, 4) for v in gs.cv_results_["mean_test_nll"]]
+    out["se-curve"] = [round(v, 4) for v in gs.cv_results_["mean_test_nll_se"]]
+    if not clf:
+        # coverage / calibration on folds of the training rows, and extrapolation folds
+        j = int(np.argmax([len(np.unique(c)) for c in p["Xtr"].T]))  # not a binary one
+        groups = np.digitize(p["Xtr"][:, j], np.quantile(p["Xtr"][:, j], [1 / 3, 2 / 3]))
+        for rn, sc, folds in (("cv-cqm", neg_cqm_scorer, cv),
+                              ("quantile-folds", base, GroupKFold(3))):
+            t = time.time()
+            g = GridSearchCV(Est(net, random_state=seed), {"prior_variance": grid}, scoring=sc,
+                             cv=folds).fit(p["Xtr"], p["ytr"], groups=groups)
+            pv = g.best_params_["prior_variance"]
+            out[rn] = dict(metrics(predictor(g.best_estimator_)), pv=pv,
+                           edge=bool(pv in (grid[0], grid[-1])), t=time.time() - t)
     return out
 
 
 def _rounded(res):
-    return {k: {kk: (round(vv, 4) if isinstance(vv, float) else vv) for kk, vv in v.items()}
-            for k, v in res.items()}
+    return {k: ({kk: (round(vv, 4) if isinstance(vv, float) else vv) for kk, vv in v.items()}
+                if isinstance(v, dict) else v) for k, v in res.items()}
+
+
+OLD = "--old" in sys.argv
 
 
 if __name__ == "__main__":
@@ -146,5 +217,5 @@ if __name__ == "__main__":
         if which == "digits":
             res = run("digits", seed, list(np.logspace(-3, 1, 5)), (32,))
         else:
-            res = run(which, seed, list(np.logspace(-3, 1, 9)), (50, 50))
+            res = run(which, seed, list(np.logspace(-3, 2, 11)), (50, 50))
         print(json.dumps({"data": which, "seed": seed, **_rounded(res)}), flush=True)

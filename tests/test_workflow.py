@@ -368,3 +368,129 @@ def test_check_grid_edges_inside_upper_and_non_numeric():
         check_grid_edges(GridSearchCV(Ridge(), {"alpha": [1.0]}))
     with pytest.raises(AttributeError, match="best_params_"):
         check_grid_edges(SimpleNamespace(cv_results_={"params": []}))
+
+
+# ---------------------------------------------------------------------------------
+# Searches that keep the uncertainty: prior_search_scoring / OneStandardErrorRule
+# ---------------------------------------------------------------------------------
+
+
+def _held_out_split(n_train, n_val):
+    from sklearn.model_selection import PredefinedSplit
+
+    return PredefinedSplit(np.r_[np.full(n_train, -1), np.zeros(n_val)])
+
+
+def _results(nll, se, evidence, grid=(0.01, 0.1, 1.0, 10.0), n_splits=1):
+    res = {"params": [{"prior_variance": v} for v in grid],
+           "param_prior_variance": np.ma.masked_array(np.array(grid, dtype=object)),
+           "mean_test_nll": -np.asarray(nll, dtype=float),
+           "mean_test_nll_se": np.asarray(se, dtype=float),
+           "mean_test_log_evidence": np.asarray(evidence, dtype=float)}
+    for k in range(n_splits):
+        res[f"split{k}_test_nll"] = res["mean_test_nll"]
+    return res
+
+
+def test_one_standard_error_rule_ties_and_tie_breaks():
+    from sklearn_lla.model_selection import OneStandardErrorRule
+
+    # the floor has the best held-out NLL, but 0.1 and 1.0 are within one SE of it
+    res = _results([0.50, 0.52, 0.58, 0.90], [0.1] * 4, [-90, -70, -60, -80])
+    assert OneStandardErrorRule()(res) == 2             # the evidence among the tied
+    assert OneStandardErrorRule(prefer="largest")(res) == 2   # 10.0 is not tied
+    assert OneStandardErrorRule(tolerance=0.0)(res) == 0      # the plain best score
+    # four folds: the standard error of their mean is halved, so 1.0 drops out
+    res4 = _results([0.50, 0.52, 0.58, 0.90], [0.1] * 4, [-90, -70, -60, -80], n_splits=4)
+    assert OneStandardErrorRule()(res4) == 1
+    # a failed candidate (NaN score) is never chosen
+    res_nan = _results([0.50, np.nan, 0.52, 0.90], [0.1] * 4, [-90, 0, -60, -80])
+    assert OneStandardErrorRule()(res_nan) == 2
+    with pytest.raises(KeyError, match="prior_search_scoring"):
+        OneStandardErrorRule(standard_error="missing")(res)
+    with pytest.raises(ValueError, match="prefer='largest'"):
+        OneStandardErrorRule()(_results([0.5] * 4, [0.1] * 4, [np.nan] * 4))
+    with pytest.raises(ValueError, match="prefer"):
+        OneStandardErrorRule(prefer="smallest")
+
+
+def test_nll_standard_error_scorer_matches_the_per_row_losses(reg_data, reg_net, clf_data,
+                                                              clf_net):
+    from sklearn.metrics import log_loss
+
+    from sklearn_lla.metrics import gaussian_nll
+    from sklearn_lla.model_selection import nll_standard_error_scorer
+
+    reg = LLARegressor(reg_net).fit(reg_data.X, reg_data.y)
+    m, s = reg.predict(reg_data.X_test, return_std=True)
+    rows = 0.5 * np.log(2 * np.pi * s ** 2) + 0.5 * ((reg_data.y_test - m) / s) ** 2
+    assert np.mean(rows) == pytest.approx(gaussian_nll(reg_data.y_test, m, s))
+    assert nll_standard_error_scorer(reg, reg_data.X_test, reg_data.y_test) == pytest.approx(
+        np.std(rows, ddof=1) / np.sqrt(len(rows)))
+    clf = LLAClassifier(clf_net).fit(clf_data.X, clf_data.y)
+    p = clf.predict_proba(clf_data.X_test)
+    rows = -np.log(p[np.arange(len(p)), clf_data.y_test])
+    assert np.mean(rows) == pytest.approx(log_loss(clf_data.y_test, p, labels=clf.classes_))
+    assert nll_standard_error_scorer(clf, clf_data.X_test, clf_data.y_test) == pytest.approx(
+        np.std(rows, ddof=1) / np.sqrt(len(rows)))
+
+
+def test_log_evidence_scorer_unwraps_and_says_what_to_use(reg_data, reg_net):
+    from sklearn.linear_model import BayesianRidge
+
+    from sklearn_lla import ELLARegressor
+    from sklearn_lla.model_selection import log_evidence_scorer
+
+    est = LLARegressor(reg_net, prior_variance=0.5).fit(reg_data.X, reg_data.y)
+    assert log_evidence_scorer(est, None, None) == est.log_marginal_likelihood_
+    pipe = Pipeline([("scale", StandardScaler(with_mean=False, with_std=False)),
+                     ("lla", clone(est))]).fit(reg_data.X, reg_data.y)
+    assert log_evidence_scorer(pipe, None, None) == pytest.approx(est.log_marginal_likelihood_)
+    ttr = TransformedTargetRegressor(clone(est)).fit(reg_data.X, reg_data.y)
+    assert np.isfinite(log_evidence_scorer(ttr, None, None))
+    ella = ELLARegressor(reg_net, prior_variance=0.5, random_state=0).fit(reg_data.X,
+                                                                           reg_data.y)
+    assert np.isfinite(log_evidence_scorer(ella, None, None))  # from its posterior
+    with pytest.raises(AttributeError, match="prefer='largest'"):
+        log_evidence_scorer(BayesianRidge().fit(reg_data.X, reg_data.y), None, None)
+
+
+@pytest.mark.parametrize("task", ["regression", "classification"])
+def test_prior_search_scoring_in_grid_search(task, reg_data, reg_net, clf_data, clf_net):
+    """The README's recipe end to end: held-out rows as the only test fold, the one-SE
+    rule with the evidence, the chosen candidate refitted on all rows."""
+    from sklearn_lla.model_selection import (
+        OneStandardErrorRule,
+        check_grid_edges,
+        prior_search_scoring,
+    )
+
+    if task == "regression":
+        data, est = reg_data, LLARegressor(reg_net)
+    else:
+        data, est = clf_data, LLAClassifier(clf_net)
+    X = np.concatenate([data.X, data.X_test])
+    y = np.concatenate([data.y, data.y_test])
+    grid = [1e-3, 1e-2, 0.1, 1.0, 10.0]
+    search = GridSearchCV(est, {"prior_variance": grid},
+                          cv=_held_out_split(len(data.X), len(data.X_test)),
+                          **prior_search_scoring(task == "classification")).fit(X, y)
+    res = search.cv_results_
+    i = search.best_index_
+    assert i == OneStandardErrorRule()(res)
+    nll, se = -res["mean_test_nll"], res["mean_test_nll_se"]
+    best = int(np.argmin(nll))
+    tied = nll <= nll[best] + se[best]
+    assert tied[i] and res["mean_test_log_evidence"][i] == res["mean_test_log_evidence"][tied].max()
+    assert search.best_estimator_.prior_variance == grid[i]
+    assert search.best_estimator_.n_features_in_ == X.shape[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check_grid_edges(search)  # works with a callable refit
+    # the largest tied prior: any estimator, no evidence needed
+    largest = GridSearchCV(est, {"prior_variance": grid},
+                           cv=_held_out_split(len(data.X), len(data.X_test)),
+                           **prior_search_scoring(task == "classification", prefer="largest"))
+    largest.fit(X, y)
+    assert "mean_test_log_evidence" not in largest.cv_results_
+    assert largest.best_params_["prior_variance"] == max(np.array(grid)[tied])
