@@ -41,7 +41,7 @@ PANEL_ELEMENTS = 2**26
 
 #: How many times a CPU element budget a CUDA device's products may hold (kernel
 #: launches, not memory, bound a GPU's small chunks), capped by :data:`CUDA_SHARE`.
-CUDA_SCALE = 8
+CUDA_SCALE = 16
 
 #: The largest share of a CUDA device's memory one budgeted tensor may take.
 CUDA_SHARE = 1 / 16
