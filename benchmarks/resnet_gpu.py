@@ -169,6 +169,42 @@ def metrics(yte, p_te, p_noise, p_unseen, p_blur):
                 auc_unseen=float(ood_auc(p_te, p_unseen)), blur_nll=nll(p_blur))
 
 
+def _instrument(cuda):
+    """Count calls and seconds of :class:`LinearizedNet`'s products (outermost calls)."""
+    import functools
+
+    import torch
+
+    from sklearn_lla._network.linearized import LinearizedNet
+
+    stats, depth = {}, [0]
+
+    def wrap(name):
+        f = getattr(LinearizedNet, name)
+
+        @functools.wraps(f)
+        def w(*a, **k):
+            depth[0] += 1
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    if cuda:
+                        torch.cuda.synchronize()
+                    st = stats.setdefault(name, [0, 0.0])
+                    st[0] += 1
+                    st[1] += time.perf_counter() - t
+
+        setattr(LinearizedNet, name, w)
+
+    for name in ("forward", "jvp", "jvp_and_ntk_diag", "vjp", "jacobian", "rows", "kernel",
+                 "ntk", "ntk_diag_blocks", "cross_and_diag", "gradient_rows_vjp"):
+        wrap(name)
+    return stats
+
+
 class _Timeout(Exception):
     pass
 
@@ -191,6 +227,8 @@ def main(argv=None):
                     help="weight of the other class's template in an image")
     ap.add_argument("--noise", type=float, default=0.9, help="pixel noise std")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--phases", action="store_true",
+                    help="record calls and seconds of each LinearizedNet product per method")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     import torch
@@ -266,6 +304,7 @@ def main(argv=None):
     only = [s for s in args.only.split(",") if s]
     if only:
         methods = [m for m in methods if m[0] in only or m[0] == "raw softmax"]
+    phases = _instrument(cuda) if args.phases else None
     signal.signal(signal.SIGALRM, _alarm)
     rss = RSSSampler().__enter__()
     rows = []
@@ -275,6 +314,8 @@ def main(argv=None):
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+        if phases is not None:
+            phases.clear()
         signal.alarm(args.timeout)
         try:
             fit_s, predict, backend = fn(None)
@@ -292,6 +333,9 @@ def main(argv=None):
         if cuda:
             rec["gpu_gb"] = torch.cuda.max_memory_allocated() / 2**30
         rec["rss_mb"] = rss.peak
+        if phases:
+            rec["phases"] = {k: [v[0], round(v[1], 2)] for k, v in
+                             sorted(phases.items(), key=lambda kv: -kv[1][1])}
         rows.append(rec)
         print(rec, flush=True)
     rss.__exit__(None, None, None)

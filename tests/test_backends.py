@@ -344,6 +344,10 @@ def test_small_budgets_give_the_same_products(monkeypatch):
     _close(lin.kernel(x, n_outputs=C), Jf @ Jf.T, 1e-12)
     U = torch.randn(B, 4, generator=torch.Generator().manual_seed(0), dtype=F64)
     _close(_flat(lin.gradient_rows_vjp(x, idx, U), lin.names), (Ji.T @ U).T, 1e-12)
+    R = lin.rows(x)  # all points at once: computed chunk by chunk, then concatenated
+    _close(R.dense(), Jf, 1e-12)
+    _close(R.gram(), Jf @ Jf.T, 1e-12)
+    _close(lin.rows(x, idx).dense(), Ji, 1e-12)
     a = torch.randn(70, 50, dtype=F64)  # the CPU syrk path, accumulated over blocks
     _close(base.gram64(a), a @ a.T, 1e-13)
     _close(base.gram64(a, a[:9]), a @ a[:9].T, 1e-13)

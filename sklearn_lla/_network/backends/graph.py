@@ -358,6 +358,7 @@ class GraphBackend(FactoredBackend):
         self._local = threading.local()
         self._cost = None  # elements per (point, row) of a product, set by build
         self._signal = 0  # elements of the back-propagated signals per row
+        self._C = None  # the number of outputs, read once
 
     def __getstate__(self):  # pragma: no cover - LinearizedNet rebuilds backends
         raise TypeError("a GraphBackend is rebuilt by its LinearizedNet, not pickled")
@@ -462,8 +463,20 @@ class GraphBackend(FactoredBackend):
 
     def rows(self, x: Tensor, out_idx: Tensor | None = None,
              differentiable: bool = False) -> Rows:
-        lin = self.lin
         diff = bool(differentiable and torch.is_grad_enabled())
+        if diff or self._cost is None:  # (the check at construction: two points)
+            return self._rows(x, out_idx, diff)
+        step = self.kernel_step(1 if out_idx is not None else self._n_outputs(x))
+        if x.shape[0] <= step:
+            return self._rows(x, out_idx, diff)
+        # more points than one product's budget: their signals and patches chunk by
+        # chunk, the (compact) rows concatenated
+        parts = [self._rows(x[s:s + step], None if out_idx is None else out_idx[s:s + step],
+                            False) for s in range(0, x.shape[0], step)]
+        return _cat_rows(parts, self.lin)
+
+    def _rows(self, x: Tensor, out_idx: Tensor | None, diff: bool) -> GraphRows:
+        lin = self.lin
         mod = self._module()
         rec = _Recording(len(self.layers), diff)
         self._local.rec = rec
@@ -564,6 +577,11 @@ class GraphBackend(FactoredBackend):
                          output)
 
     # -- products -----------------------------------------------------------------
+    def _n_outputs(self, x: Tensor) -> int:
+        if self._C is None:
+            self._C = self.lin.n_outputs(x)
+        return self._C
+
     def row_elements(self) -> int:
         return self._cost
 
@@ -572,7 +590,7 @@ class GraphBackend(FactoredBackend):
         return max(1, budget // max(1, rows_per_point * self._cost))
 
     def ntk_diag_blocks(self, x: Tensor) -> Tensor:
-        step = self.kernel_step(self.lin.n_outputs(x))
+        step = self.kernel_step(self._n_outputs(x))
         with torch.no_grad():
             return torch.cat([self.rows(x[s:s + step]).diag_blocks()
                               for s in range(0, x.shape[0], step)])
@@ -591,7 +609,7 @@ class GraphBackend(FactoredBackend):
         if K is None:
             raise ValueError("tangents is empty")
         B = x.shape[0]
-        step = self.kernel_step(self.lin.n_outputs(x))
+        step = self.kernel_step(self._n_outputs(x))
         gs, jvs = [], []
         with torch.no_grad():
             for s in range(0, B, step):
@@ -605,7 +623,7 @@ class GraphBackend(FactoredBackend):
         K = next((t.shape[0] for t in T.values()), None)
         if K is None:
             raise ValueError("tangents is empty")
-        step = self.kernel_step(self.lin.n_outputs(x))
+        step = self.kernel_step(self._n_outputs(x))
         gs, jvs, blocks = [], [], []
         with torch.no_grad():
             for s in range(0, x.shape[0], step):
@@ -628,6 +646,22 @@ class GraphBackend(FactoredBackend):
                 part = self.rows(x[s:s + step]).vjp(U)
                 res = part if res is None else {n: res[n] + part[n] for n in res}
         return res
+
+
+def _cat_rows(parts: list[GraphRows], lin) -> GraphRows:
+    """The rows of consecutive chunks of points as one :class:`GraphRows`."""
+    first = parts[0]
+    sj = None
+    if first.factors is not None:
+        layers = [LayerFactor(torch.cat([p.factors.layers[j].delta for p in parts]),
+                              torch.cat([p.factors.layers[j].act for p in parts]),
+                              f.weight_name, f.bias_name)
+                  for j, f in enumerate(first.factors.layers)]
+        sj = StructuredJacobian(layers, first.rows_per_point, first.factors.param_names,
+                                torch.cat([p.output for p in parts]))
+    D = None if first.D is None else torch.cat([p.D for p in parts])
+    return GraphRows(sj, D, first.dense_names, first.rows_per_point, lin,
+                     torch.cat([p.output for p in parts]))
 
 
 def _reference_rows(lin, x: Tensor, out_idx: Tensor | None = None) -> Tensor:
