@@ -352,3 +352,23 @@ def test_small_budgets_give_the_same_products(monkeypatch):
     _close(base.gram64(a), a @ a.T, 1e-13)
     _close(base.gram64(a, a[:9]), a @ a[:9].T, 1e-13)
     assert base.device_budget(123, "cpu") == 123
+
+
+@pytest.mark.parametrize("structured", [True, False])
+def test_rows_weighted_and_mixed_squares_match_dense(structured):
+    """The complement's two row products (VaLLA's diagonal complement) from each
+    backend's own rows -- graph factors and dense blocks, or the generic dense rows --
+    equal the dense Jacobian's."""
+    from sklearn_lla._posteriors.complement import mixed_sq_colsum, weighted_sq_norms
+
+    net, x = _make("conv2d", F64)
+    lin = LinearizedNet(net, example_input=x, structured=structured)
+    assert lin.backend == ("graph" if structured else "functorch")
+    J = dense_jacobian(net, x)
+    B, C, P = J.shape
+    g = torch.Generator().manual_seed(0)
+    W = torch.rand(3, P, generator=g, dtype=F64)
+    _close(weighted_sq_norms(lin, x, W), (J * J) @ W.T, 1e-12)
+    M = torch.randn(B, 2, C, generator=g, dtype=F64)
+    G = M @ J
+    _close(mixed_sq_colsum(lin, x, M), (G * G).sum((0, 1)), 1e-12)

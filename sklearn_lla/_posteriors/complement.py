@@ -359,19 +359,13 @@ class KFACComplement:
 MAX_ROWS = 2000
 
 
-def _factored(rows) -> bool:
-    """Whether ``rows`` are per-layer factors ``delta (x) a`` (the structured backend)."""
-    from .._network.structured.jacobian import StructuredJacobian
-
-    return isinstance(rows, StructuredJacobian)
-
-
 def weighted_sq_norms(lin, x, weights: torch.Tensor) -> torch.Tensor:
     """``sum_p J_c(x)_p^2 w_kp`` per point, output and weight vector, (B, C, K), float64.
 
-    From the per-layer factors without forming a row on the structured backend (for
-    a linear layer, ``sum_oi delta_o^2 W_oi a_i^2 = (delta^2)^T W (a^2)``), from the
-    dense rows otherwise; the rows at ``x`` are computed once for all ``K`` vectors.
+    By the rows' own :meth:`~sklearn_lla._network.backends.base.Rows.weighted_sq_norms`
+    (per-layer factors never form a row: for a linear layer, ``sum_oi delta_o^2 W_oi
+    a_i^2 = (delta^2)^T W (a^2)``); the rows at ``x`` are computed once for all ``K``
+    vectors.
 
     Parameters
     ----------
@@ -386,32 +380,19 @@ def weighted_sq_norms(lin, x, weights: torch.Tensor) -> torch.Tensor:
     -------
     Tensor of shape (B, C, K)
     """
-    W64 = weights.to(_F64)
     with torch.no_grad():
         rows = lin.rows(x)
-        if not _factored(rows):
-            J = lin.jacobian(x).to(_F64)  # (B, C, P)
-            return (J * J) @ W64.T
-        w = lin.unflatten(W64)
-        B, k, K = rows.n_points, rows.rows_per_point, W64.shape[0]
-        out = torch.zeros(B * k, K, dtype=_F64, device=W64.device)
-        for layer in rows.layers:
-            d2 = layer.delta.to(_F64) ** 2  # (B k, out)
-            if layer.has_weight:
-                a2 = layer.act.to(_F64) ** 2  # (B, in)
-                t = torch.einsum("ro,koi->rki", d2, w[layer.weight_name].to(_F64))
-                out += (t.view(B, k, K, -1) * a2[:, None, None, :]).sum(-1).reshape(-1, K)
-            if layer.has_bias:
-                out += d2 @ w[layer.bias_name].to(_F64).T
-        return out.view(B, k, K)
+        out = rows.weighted_sq_norms(lin.unflatten(weights.to(_F64)))
+        return out.view(rows.n_points, rows.rows_per_point, -1)
 
 
 def mixed_sq_colsum(lin, x, M: torch.Tensor) -> torch.Tensor:
     """``sum_b sum_j (sum_c M_bjc J_c(x_b))_p^2`` per parameter, shape (P,), float64.
 
     The diagonal of ``sum_b J_b^T M_b^T M_b J_b``: with ``M_b M_b^T``-type factors of a
-    curvature, a diagonal GGN. Factored on the structured backend (mixing a point's
-    rows mixes only their ``delta``), from dense rows otherwise.
+    curvature, a diagonal GGN. By the rows' own
+    :meth:`~sklearn_lla._network.backends.base.Rows.mixed_sq_colsum` (mixing a point's
+    factored rows mixes only their ``delta``).
 
     Parameters
     ----------
@@ -429,22 +410,8 @@ def mixed_sq_colsum(lin, x, M: torch.Tensor) -> torch.Tensor:
     from .._network.linearized import stack_flat
 
     with torch.no_grad():
-        rows = lin.rows(x)
-        M = M.to(_F64)
-        if not _factored(rows):
-            G = M @ lin.jacobian(x).to(_F64)  # (B, K, P)
-            return (G * G).sum((0, 1))
-        B, k = rows.n_points, rows.rows_per_point
-        parts = {}
-        for layer in rows.layers:
-            d = torch.einsum("bjc,bco->bjo", M, layer.delta.to(_F64).view(B, k, -1))
-            d2 = (d * d).sum(1)  # (B, out)
-            if layer.has_weight:
-                a2 = layer.act.to(_F64) ** 2
-                parts[layer.weight_name] = (d2.T @ a2)[None]
-            if layer.has_bias:
-                parts[layer.bias_name] = d2.sum(0)[None]
-        return stack_flat(parts, lin.names)[0]
+        parts = lin.rows(x).mixed_sq_colsum(M)
+        return stack_flat({n: v[None] for n, v in parts.items()}, lin.names)[0]
 
 
 class DiagonalComplement:

@@ -157,6 +157,47 @@ class Rows(abc.ABC):
     def dense(self) -> Tensor:  # pragma: no cover - interface
         """The explicit rows ``(n_rows, P)``."""
 
+    def weighted_sq_norms(self, w: dict) -> Tensor:
+        """``sum_p R_rp^2 w_kp`` per row and weight vector, ``(n_rows, K)`` float64.
+
+        Parameters
+        ----------
+        w : dict of str to Tensor of shape (K, *param_shape)
+            ``K`` weight vectors over the parameters; missing names count as 0.
+
+        Returns
+        -------
+        Tensor of shape (n_rows, K), dtype float64
+        """
+        R = self.dense().to(_F64)
+        return (R * R) @ self._flat(w, R.shape[1]).T
+
+    def mixed_sq_colsum(self, M: Tensor) -> dict:
+        """``sum_b sum_j (sum_c M_bjc R_(b,c))^2`` per parameter entry, float64 (the
+        diagonal of ``sum_b R_b^T M_b^T M_b R_b``: a diagonal GGN for curvature
+        factors ``M_b``).
+
+        Parameters
+        ----------
+        M : Tensor of shape (n_points, J, rows_per_point)
+
+        Returns
+        -------
+        dict of str to Tensor of shape param_shape
+        """
+        R = self.dense().to(_F64)
+        G = M.to(_F64) @ R.view(-1, self.rows_per_point, R.shape[1])
+        return {n: v[0] for n, v in self._lin.unflatten((G * G).sum((0, 1))[None]).items()}
+
+    def _flat(self, w: dict, P: int) -> Tensor:
+        """``w`` as ``(K, P)`` float64 columns in the network's order (missing: 0)."""
+        lin = self._lin
+        K = next(iter(w.values())).shape[0]
+        return torch.cat([
+            (w[n].to(_F64).reshape(K, -1) if n in w else
+             torch.zeros(K, k, dtype=_F64, device=next(iter(w.values())).device))
+            for n, k in zip(lin.names, lin.numels)], dim=1)
+
 
 class DenseRows(Rows):
     """Explicit Jacobian rows ``R`` of shape ``(n_rows, P)``, in the network's dtype.

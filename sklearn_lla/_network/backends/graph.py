@@ -302,6 +302,57 @@ class GraphRows(Rows):
             out = torch.zeros(self.n_rows, K, dtype=self._lin.dtype, device=self._lin.device)
         return out
 
+    def weighted_sq_norms(self, w: dict) -> Tensor:
+        """``sum_p R_rp^2 w_kp`` per row and weight vector: the factored layers from
+        their factors, the dense blocks from their squares.
+
+        Parameters
+        ----------
+        w : dict of str to Tensor of shape (K, *param_shape)
+            Missing names count as 0.
+
+        Returns
+        -------
+        Tensor of shape (n_rows, K), dtype float64
+        """
+        K = next(iter(w.values())).shape[0]
+        dev = next(iter(w.values())).device
+        out = torch.zeros(self.n_rows, K, dtype=_F64, device=dev)
+        if self.factors is not None and any(n in w for n in self.factors.param_names):
+            out += self.factors.weighted_sq_norms(w)
+        if self.D is not None:
+            lin = self._lin
+            flat = torch.cat([
+                (w[n].to(_F64).reshape(K, -1) if n in w else
+                 torch.zeros(K, lin.params[n].numel(), dtype=_F64, device=dev))
+                for n in self.dense_names], dim=1)
+            D = self.D.to(_F64)
+            out += (D * D) @ flat.T
+        return out
+
+    def mixed_sq_colsum(self, M: Tensor) -> dict:
+        """Per parameter entry ``sum_b sum_j (sum_c M_bjc R_(b,c))^2``, float64.
+
+        Parameters
+        ----------
+        M : Tensor of shape (n_points, J, rows_per_point)
+
+        Returns
+        -------
+        dict of str to Tensor of shape param_shape
+        """
+        res = {} if self.factors is None else dict(self.factors.mixed_sq_colsum(M))
+        if self.D is not None:
+            D = self.D.to(_F64).view(self.n_points, self.rows_per_point, -1)
+            G = M.to(_F64) @ D
+            flat = (G * G).sum((0, 1))
+            start = 0
+            for n in self.dense_names:
+                p = self._lin.params[n]
+                res[n] = flat[start:start + p.numel()].view(p.shape)
+                start += p.numel()
+        return {n: res[n] for n in self._lin.names}
+
     def dense(self) -> Tensor:
         """The explicit rows, columns in the network's parameter order.
 

@@ -332,6 +332,60 @@ class StructuredJacobian:
                 res[layer.bias_name] = gb
         return {name: res[name] for name in self.param_names}
 
+    def weighted_sq_norms(self, w: dict[str, Tensor]) -> Tensor:
+        """``sum_p R_rp^2 w_kp`` per row and weight vector, float64, from the factors.
+
+        For a linear layer ``sum_oi delta_o^2 W_oi a_i^2 = (delta^2)^T W (a^2)``: no row
+        is formed.
+
+        Parameters
+        ----------
+        w : dict
+            ``{name: Tensor of shape (K, *param.shape)}``; missing names count as 0.
+
+        Returns
+        -------
+        Tensor of shape (n_rows, K), dtype float64
+        """
+        K = next(iter(w.values())).shape[0]
+        B, k = self.n_points, self.rows_per_point
+        out = torch.zeros(self.n_rows, K, dtype=_F64, device=self.device)
+        for layer in self.layers:
+            d2 = layer.delta.to(_F64) ** 2  # (B k, out)
+            if layer.has_weight and layer.weight_name in w:
+                a2 = layer.act.to(_F64) ** 2  # (B, in)
+                t = torch.einsum("ro,koi->rki", d2, w[layer.weight_name].to(_F64))
+                out += (t.view(B, k, K, -1) * a2[:, None, None, :]).sum(-1).reshape(-1, K)
+            if layer.has_bias and layer.bias_name in w:
+                out += d2 @ w[layer.bias_name].to(_F64).reshape(K, -1).T
+        return out
+
+    def mixed_sq_colsum(self, M: Tensor) -> dict[str, Tensor]:
+        """``sum_b sum_j (sum_c M_bjc R_(b,c))^2`` per parameter entry, from the factors.
+
+        Mixing a point's rows mixes only their ``delta``.
+
+        Parameters
+        ----------
+        M : Tensor of shape (n_points, J, rows_per_point)
+
+        Returns
+        -------
+        dict
+            ``{name: Tensor of shape param.shape}``, float64, :attr:`param_names` order.
+        """
+        B, k = self.n_points, self.rows_per_point
+        M = M.to(_F64)
+        parts = {}
+        for layer in self.layers:
+            d = torch.einsum("bjc,bco->bjo", M, layer.delta.to(_F64).view(B, k, -1))
+            d2 = (d * d).sum(1)  # (B, out)
+            if layer.has_weight:
+                parts[layer.weight_name] = d2.T @ (layer.act.to(_F64) ** 2)
+            if layer.has_bias:
+                parts[layer.bias_name] = d2.sum(0)
+        return {n: parts[n] for n in self.param_names}
+
     def matmul(self, V: dict[str, Tensor]) -> Tensor:
         """Compute ``J @ V`` for directions ``V`` in parameter space, layer by layer.
 
