@@ -521,10 +521,19 @@ class GraphBackend(FactoredBackend):
         if x.shape[0] <= step:
             return self._rows(x, out_idx, diff)
         # more points than one product's budget: their signals and patches chunk by
-        # chunk, the (compact) rows concatenated
-        parts = [self._rows(x[s:s + step], None if out_idx is None else out_idx[s:s + step],
-                            False) for s in range(0, x.shape[0], step)]
-        return _cat_rows(parts, self.lin)
+        # chunk, the rows written into one preallocated block (no second copy)
+        k = 1 if out_idx is not None else self._n_outputs(x)
+        D, parts = None, []
+        for s in range(0, x.shape[0], step):
+            part = self._rows(x[s:s + step], None if out_idx is None else out_idx[s:s + step],
+                              False)
+            if part.D is not None:
+                if D is None:
+                    D = part.D.new_empty((x.shape[0] * k, part.D.shape[1]))
+                D[s * k:s * k + part.D.shape[0]] = part.D
+                part.D = None
+            parts.append(part)
+        return _cat_rows(parts, D, self.lin)
 
     def _rows(self, x: Tensor, out_idx: Tensor | None, diff: bool) -> GraphRows:
         lin = self.lin
@@ -699,8 +708,9 @@ class GraphBackend(FactoredBackend):
         return res
 
 
-def _cat_rows(parts: list[GraphRows], lin) -> GraphRows:
-    """The rows of consecutive chunks of points as one :class:`GraphRows`."""
+def _cat_rows(parts: list[GraphRows], D: Tensor | None, lin) -> GraphRows:
+    """The rows of consecutive chunks of points as one :class:`GraphRows` (their dense
+    blocks already gathered in ``D``)."""
     first = parts[0]
     sj = None
     if first.factors is not None:
@@ -710,7 +720,6 @@ def _cat_rows(parts: list[GraphRows], lin) -> GraphRows:
                   for j, f in enumerate(first.factors.layers)]
         sj = StructuredJacobian(layers, first.rows_per_point, first.factors.param_names,
                                 torch.cat([p.output for p in parts]))
-    D = None if first.D is None else torch.cat([p.D for p in parts])
     return GraphRows(sj, D, first.dense_names, first.rows_per_point, lin,
                      torch.cat([p.output for p in parts]))
 
