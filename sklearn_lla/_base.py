@@ -39,6 +39,7 @@ from torch import nn
 
 from ._conformal import ConformalClassifierMixin, ConformalRegressorMixin, calibrate_held_out
 from ._core import dask as _dask
+from ._core.hyper import STRATEGIES
 from ._core.likelihoods import Bernoulli, Categorical, Gaussian, point_normals, row_keys
 from ._core.linalg import cholesky
 from ._core.protocol import FitData, holdout_rows, to_batch
@@ -301,7 +302,7 @@ class _LaplaceBase(BaseEstimator, metaclass=abc.ABCMeta):
         if self._task == "regression" and pretrained:
             # after the fit: bad rows have been reported there, with their own message
             _check_target_scale(lin, X, y_enc, self)
-        if validation is not None and posterior.hyper_strategy != "validation":
+        if validation is not None and not STRATEGIES[posterior.hyper_strategy].uses_held_out:
             # the one use of held-out rows after fit: calibrate the noise (regression) or
             # a temperature (classification) on them, keeping the posterior covariance
             posterior.calibrate(

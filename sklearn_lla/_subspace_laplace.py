@@ -47,8 +47,7 @@ class _SubspaceMixin:
                                  subspace_X=self.subspace_X,
                                  swag_learning_rate=self.swag_learning_rate,
                                  swag_n_steps=self.swag_n_steps,
-                                 residual_correction=self.residual_correction,
-                                 fallback="evidence" if regression else "weight_norm")
+                                 residual_correction=self.residual_correction)
 
     def _store_fitted(self, posterior):
         self.subspace_dim_ = int(posterior.features.dim)

@@ -41,8 +41,7 @@ class _ELLAMixin:
                             self.prior_variance, noise, hyper=self.hyper_strategy,
                             early_stopping=self.early_stopping,
                             search_freq=self.search_freq, n_iter_no_change=self.n_iter_no_change,
-                            residual_correction=self.residual_correction, label="ELLA",
-                            fallback="evidence" if regression else "weight_norm")
+                            residual_correction=self.residual_correction, label="ELLA")
 
     def _store_fitted(self, posterior):
         self.n_components_ = posterior.features.dim

@@ -42,16 +42,11 @@ class _LLAMixin:
         regression = data.likelihood.task == "regression"
         noise = self.noise_variance if regression else None
         space = _choose_space(self.space, data.lin.n_params, data.n_samples * data.n_outputs)
-        # the objective of "auto": the evidence for regression; for classification the
-        # weight norm, full network and last layer alike (the evidence of a net that fits
-        # its training labels was measured to wreck calibration: docs/hyperparameters.md)
-        fallback = "evidence" if regression else "weight_norm"
         if space == "function":
-            post = FunctionSpacePosterior(self.prior_variance, noise, self.hyper_strategy,
-                                          fallback=fallback)
+            post = FunctionSpacePosterior(self.prior_variance, noise, self.hyper_strategy)
         else:
             post = GLMPosterior(JacobianFeatures(), self.prior_variance, noise,
-                                hyper=self.hyper_strategy, fallback=fallback)
+                                hyper=self.hyper_strategy)
         post.space = space
         return post
 

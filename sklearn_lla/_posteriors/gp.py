@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from .._core.hyper import Fixed, VariationalEnergy
+from .._core.hyper import Fixed, HyperContext, VariationalEnergy, select
 from .._core.linalg import cholesky
 from .._core.optim import minibatches, minimize
 from .._core.protocol import LatentPredictive, Posterior
@@ -351,6 +351,10 @@ class FixedMeanGPPosterior(Posterior):
     fitted_attributes = ("prior_variance", "likelihood", "hyper_strategy", "hyper_trace",
                          "inducing_inputs", "inducing_outputs", "n_iter", "kernel")
 
+    #: The strategy named when nothing is learned (the kernel's values kept);
+    #: :meth:`make_kernel` may set another that keeps them (``"weight_norm"``).
+    fixed_strategy = Fixed.name
+
     def __init__(self, *, n_inducing=100, covariance="full", noise_variance="auto", alpha=1.0,
                  learning_rate=1e-3, max_iter=5000, batch_size=100, early_stopping=True,
                  validation_freq=100, n_iter_no_change=5, learn_inducing=True,
@@ -576,12 +580,9 @@ class FixedMeanGPPosterior(Posterior):
         s2 = float(noise().detach()) if regression else None
         self.likelihood = lik.with_noise(s2) if regression else lik
         trace = {**res.as_dict(), "kl": float(self._kl)}
-        learned = regression and log_noise is not None
-        if learned or kernel.parameters():
-            r = VariationalEnergy().result(self.prior_variance, s2, trace)
-        else:
-            r = Fixed().select(self.prior_variance, s2)
-            r.trace = trace
+        learned = (regression and log_noise is not None) or kernel.parameters()
+        r = select(VariationalEnergy.name if learned else self.fixed_strategy,
+                   HyperContext(self.prior_variance, s2, history=trace))
         self.hyper_strategy, self.hyper_trace = r.strategy, r.trace
         return self
 

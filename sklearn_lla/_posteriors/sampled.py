@@ -66,7 +66,7 @@ import numpy as np
 import torch
 from sklearn.exceptions import ConvergenceWarning
 
-from .._core.hyper import EM, Fixed, HyperResult, ValidationGrid, WeightNorm, resolve_strategy
+from .._core.hyper import EM, HyperContext, HyperResult, ValidationGrid, resolve, strategy
 from .._core.likelihoods import mc_seed, uses_mc_link
 from .._core.optim import minibatches, minimize
 from .._core.protocol import LatentPredictive, Posterior, validation_residuals
@@ -354,10 +354,11 @@ class SampledLLAPosterior(Posterior):
         return np.where(np.isfinite(out), out, np.inf)
 
     def _strategy(self, data, fit_prior, fit_noise):
-        return resolve_strategy(self.hyper, auto=fit_prior or fit_noise,
-                                has_validation=data.validation is not None,
-                                fallback="em" if self._regression else "weight_norm",
-                                allowed=STRATEGIES)
+        """The strategy object choosing the ``"auto"`` values."""
+        name = resolve(self.hyper, family="sampled", task=data.likelihood.task,
+                       auto=fit_prior or fit_noise, has_validation=data.validation is not None,
+                       allowed=STRATEGIES)
+        return strategy(name, validation=self.validation_grid, em=EM(self.n_em_steps))
 
     def _schedule(self):
         """``"auto"`` is ``"cosine"`` (see the class docstring)."""
@@ -536,12 +537,12 @@ class SampledLLAPosterior(Posterior):
         return {"solver": "adam", **res.as_dict()}, V[m:]
 
     # ------------------------------------------------------------ hyperparameters
-    def _validation_scan(self, data, lik, scale, base, s2_ref, fit_prior, fit_noise):
-        """Choose ``"auto"`` values by validation NLL (``hyper="validation"`` only)."""
+    def _validation_scan(self, data, lik, scale, base, s2_ref, fit_prior, fit_noise, grid):
+        """Choose ``"auto"`` values by validation NLL over ``grid`` (``hyper="validation"``
+        only): each prior a warm-started E-step, each rescaling of it scored."""
         if not fit_prior:  # a given prior: s2 is the mean squared validation residual
-            return HyperResult(float(self.prior_variance), s2_ref, "validation",
+            return HyperResult(float(self.prior_variance), s2_ref, grid.name,
                                {"noise_variance": np.array([s2_ref])})
-        grid = self.validation_grid
         s0s = base * np.sort(np.asarray(grid.prior_grid, dtype=np.float64))
         factors = np.asarray(grid.noise_grid, dtype=np.float64) if fit_noise else np.ones(1)
         scan_iter = max(1, math.ceil(self._iterations(data) * _SCAN_FRACTION))
@@ -575,13 +576,13 @@ class SampledLLAPosterior(Posterior):
             self._q /= c
         tried = s0s[:len(scores)]
         s2s = None if s2_ref is None else s2_ref * factors
-        ValidationGrid._warn_edges(i, j, s0s, factors, "auto", "auto" if fit_noise else 1.0)
+        ValidationGrid.warn_edges(i, j, s0s, factors, "auto", "auto" if fit_noise else 1.0)
         trace = {"prior_variance": tried, "noise_variance": s2s,
                  "rescaled_prior_variance": np.outer(tried, factors),
                  "score": np.asarray(scores), "best_score": float(score),
                  "scan_iter": scan_iter}
         return HyperResult(float(s0s[i] * c), None if s2_ref is None else float(s2_ref * c),
-                           "validation", trace)
+                           grid.name, trace)
 
     # --------------------------------------------------------------------- fit
     def fit(self, data):
@@ -598,13 +599,13 @@ class SampledLLAPosterior(Posterior):
         self.prior_scale = scale
         fit_prior = self.prior_variance == "auto"
         fit_noise = self._regression and self.noise_variance == "auto"
-        strategy = self._strategy(data, fit_prior, fit_noise)
+        strat = self._strategy(data, fit_prior, fit_noise)
         theta_sq = float((self._theta_hat / scale).pow(2).sum())
         base = max(theta_sq / P, 1e-12)
         s0 = base if fit_prior else max(float(self.prior_variance), 1e-12)
         noise_source = None
         if fit_noise:
-            if strategy == "validation":
+            if strat.uses_held_out:
                 s2, noise_source = self._validation_noise(data), "validation"
             else:  # the MacKay update starts from the network's training residuals
                 r2 = sum(float((y - lin.forward(x).to(_F64)).pow(2).sum())
@@ -616,44 +617,42 @@ class SampledLLAPosterior(Posterior):
             lik = lik.with_noise(s2)
         else:
             s2 = None
-        self._with_mode = self._regression or strategy == "em"
+        self._with_mode = self._regression or strat.needs_mode
         self._eps0 = torch.randn((K, P), dtype=_F64, generator=data.generator).to(data.device)
         self._S, self._q = self._perturbation_pass(data, lik)
         self._delta = torch.zeros(P, dtype=_F64, device=data.device)
         self._sigma = math.sqrt(s0) * scale
         self._Z = self._eps0 * self._sigma
         self.n_iter = []
-        if strategy == "validation":
-            result = self._validation_scan(data, lik, scale, base, s2, fit_prior, fit_noise)
-            s0, s2 = result.prior_variance, result.noise_variance
-            if self._regression:
-                lik = lik.with_noise(s2)
-        elif strategy == "weight_norm" and not fit_noise:
-            result = WeightNorm().select(self.prior_variance, s2, theta_sq_norm=theta_sq,
-                                         n_params=P)
-            s0 = result.prior_variance
-        elif strategy in ("em", "weight_norm"):  # weight_norm: the EM noise update only
-            prior_em = fit_prior and strategy == "em"
-            result, lik = self._em(data, lik, scale, s0, s2, prior_em, fit_noise)
-            s0, s2 = result.prior_variance, result.noise_variance
-            if strategy == "weight_norm":
-                result.strategy = "weight_norm"
-        else:
-            result = Fixed().select(s0, s2)
+        ctx = HyperContext(
+            prior_variance="auto" if fit_prior else s0,
+            noise_variance="auto" if fit_noise else s2, theta_sq_norm=theta_sq, n_params=P,
+            start=(s0, s2), em_step=self._em_step(data, lik, scale, fit_prior, fit_noise),
+            # weight_norm's "auto" noise: the EM noise update under its prior
+            noise_update=lambda prior: EM(self.n_em_steps).select(HyperContext(
+                prior, "auto", start=(prior, s2),
+                em_step=self._em_step(data, lik, scale, False, True))),
+            scan=lambda grid: self._validation_scan(data, lik, scale, base, s2, fit_prior,
+                                                    fit_noise, grid))
+        result = strat.select(ctx)
+        s0, s2 = result.prior_variance, result.noise_variance
         if self._regression:
-            result.trace["noise_source"] = noise_source
+            lik = lik.with_noise(s2)
+        trace = dict(result.trace)
+        if self._regression:
+            trace["noise_source"] = noise_source
         # final E-step at the chosen hyperparameters (perturbations rescaled, warm start)
         res = self._e_step(data, lik, math.sqrt(s0) * scale, "posterior samples")
-        if strategy == "validation" and fit_prior and fit_noise:
-            s0, s2, lik = self._refit_scale(data, lik, s0, s2, result.trace)
+        if strat.uses_held_out and fit_prior and fit_noise:
+            s0, s2, lik = self._refit_scale(data, lik, s0, s2, trace)
         gamma = float(self._statistics(data, lik, self._delta, self._Z)[0].mean())
-        result.trace["optimisation"] = res
-        result.trace["solver"] = self._solver(data)
-        if result.trace["solver"] == "adam":
-            result.trace["lr_schedule"] = self._schedule()
+        trace["optimisation"] = res
+        trace["solver"] = self._solver(data)
+        if trace["solver"] == "adam":
+            trace["lr_schedule"] = self._schedule()
         self.prior_variance = float(s0)
         self.likelihood = lik
-        self.hyper_strategy, self.hyper_trace = result.strategy, result.trace
+        self.hyper_strategy, self.hyper_trace = result.strategy, trace
         self.samples = self._Z
         self.mode = self._theta_hat + self._delta if self._with_mode else None
         self.effective_dim = gamma
@@ -701,13 +700,13 @@ class SampledLLAPosterior(Posterior):
             return k
         return min(K, math.ceil(k * (rse / EM_GAMMA_RSE) ** 2))
 
-    def _em(self, data, lik, scale, s0, s2, fit_prior, fit_noise):
-        """The paper's EM: ``n_em_steps`` (E-step, M-step) pairs, on the first
-        ``k`` samples (:meth:`_em_samples`, :meth:`_next_em_samples`)."""
+    def _em_step(self, data, lik, scale, fit_prior, fit_noise):
+        """The paper's EM step (E-step, M-step) for :class:`~sklearn_lla._core.hyper.EM`,
+        on the first ``k`` samples (:meth:`_em_samples`, :meth:`_next_em_samples`)."""
         N, C = data.n_samples, data.n_outputs
-        state = {"s2": s2, "lik": lik, "k": self._em_samples()}
+        state = {"lik": lik, "k": self._em_samples()}
 
-        def step(prior_variance):
+        def step(prior_variance, s2):
             it, k = len(self.n_iter) + 1, state["k"]
             cut = self._partial_e_step(data, state["lik"], math.sqrt(prior_variance) * scale,
                                        f"EM step {it}/{self.n_em_steps}", k=k)
@@ -720,62 +719,26 @@ class SampledLLAPosterior(Posterior):
             new = max(w_sq / max(gamma, 1e-12), 1e-12) if fit_prior else prior_variance
             if fit_noise:
                 s2_new = max(rss / max(N * C - gamma, 1.0), 1e-12)
-                self._S *= math.sqrt(state["s2"] / s2_new)  # Lam^(1/2) = I / sqrt(s2)
-                self._q *= state["s2"] / s2_new  # q = J^T (J theta_hat + y - g) / s2
-                state["s2"], state["lik"] = s2_new, state["lik"].with_noise(s2_new)
+                self._S *= math.sqrt(s2 / s2_new)  # Lam^(1/2) = I / sqrt(s2)
+                self._q *= s2 / s2_new  # q = J^T (J theta_hat + y - g) / s2
+                s2, state["lik"] = s2_new, state["lik"].with_noise(s2_new)
                 info["noise_variance"] = s2_new
             info["prior_variance"] = new
-            return new, info
+            return new, s2, info
 
-        result = EM(self.n_em_steps).run(step, s0, s2)
-        result.noise_variance = state["s2"]
-        return result, state["lik"]
+        return step
 
     # ------------------------------------------------------------ calibration
-    def calibrate(self, validation, *, noise, temperature, generator=None):
-        """Calibrate on held-out rows, keeping the posterior exact.
+    #: The samples at ``(c s0^2, c s2)`` are ``sqrt(c)`` times those at ``(s0^2, s2)``
+    #: with the same draws: held-out rows fit that scale (a fixed prior included).
+    rescalable = True
 
-        Regression (when ``noise``): the exact rescaling ``(c s0^2, c s2)`` of the
-        fitted model, ``c`` the held-out maximum likelihood scale
-        ``c = (1 / (n C)) sum_i r_i^T (S_i + s2 I)^-1 r_i`` (``r_i`` the network's
-        held-out residual, ``S_i`` the latent covariance): the samples become
-        ``sqrt(c)`` times what they were, which is exactly the posterior at
-        ``(c s0^2, c s2)`` with the same draws, so the ratio ``s2 / s0^2`` that EM chose
-        (and with it the shape of the predictive: how much wider it is off the data)
-        is kept and only its overall scale is fitted. It cannot delete the
-        posterior. Classification: the generic temperature
-        (:meth:`~sklearn_lla._core.protocol.Posterior.calibrate`).
-
-        Parameters
-        ----------
-        validation : FitData
-            Rows the network did not fit.
-        noise, temperature : bool
-            Which scalar may be calibrated (only ``"auto"`` ones are).
-        generator : torch.Generator, optional
-            Random source of a row subset and of Monte Carlo draws.
-        """
-        if self.likelihood.task != "regression":
-            return super().calibrate(validation, noise=noise, temperature=temperature,
-                                     generator=generator)
-        if not noise:
-            return None
-        from .._core.calibration import held_out_predictive
-
-        mean, cov, y = held_out_predictive(self, validation, generator=generator)
-        s2 = float(self.likelihood.noise_variance)
-        n, C = mean.shape
-        r = y.reshape(mean.shape).to(_F64) - mean
-        tot = cov + s2 * torch.eye(C, dtype=_F64)
-        q = torch.linalg.solve(tot, r.unsqueeze(-1)).squeeze(-1)
-        c = max(float((r * q).sum()) / (n * C), 1e-12)
+    def rescale(self, c):
+        """Move to ``(c s0^2, c s2)``: the samples times ``sqrt(c)``, the ratio
+        ``s2 / s0^2`` chosen by EM (and the predictive's shape) kept."""
         self.samples = self.samples * math.sqrt(c)
         self.prior_variance = float(self.prior_variance) * c
-        self.likelihood = self.likelihood.with_noise(s2 * c)
-        self.hyper_trace = {**(self.hyper_trace or {}), "calibration": {
-            "method": "exact_rescaling", "factor": c, "n_rows": int(n),
-            "noise_variance_before": s2, "noise_variance": s2 * c}}
-        return None
+        self.likelihood = self.likelihood.with_noise(float(self.likelihood.noise_variance) * c)
 
     # ---------------------------------------------------------------- predict
     def predict(self, x):

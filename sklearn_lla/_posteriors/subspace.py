@@ -40,7 +40,13 @@ import numpy as np
 import torch
 from scipy.optimize import minimize_scalar
 
-from .._core.hyper import Evidence, HyperparameterWarning, HyperResult, glm_log_evidence
+from .._core.hyper import (
+    Evidence,
+    HyperContext,
+    HyperparameterWarning,
+    HyperResult,
+    glm_log_evidence,
+)
 from .._core.linalg import dense_inverse, safe_eigh
 from .._core.protocol import check_finite_outputs, to_batch
 from .._network.curvature import (
@@ -299,8 +305,8 @@ class SubspacePosterior(GLMPosterior):
     noise_variance : float, "auto" or None
     hyper : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
         Strategy for ``"auto"`` values on the subspace model
-        (:func:`~sklearn_lla._core.hyper.resolve_strategy`); ``"auto"`` is
-        ``fallback``. The projector's ``Psi_approx`` is built with the KFAC evidence's
+        (:func:`~sklearn_lla._core.hyper.resolve`); ``"auto"`` is the GLM family's
+        objective for the task. The projector's ``Psi_approx`` is built with the KFAC evidence's
         hyperparameters (the paper's choice) when KFAC supports the network.
     n_subset : int or "auto", default="auto"
         Size of the training subset ``X'`` of the low-rank and optimal projectors
@@ -317,8 +323,6 @@ class SubspacePosterior(GLMPosterior):
         :func:`lowrank_directions`). ``"auto"``: ``"kfac"`` for the low-rank
         projectors built on training rows of a network with the structured Jacobian
         backend (``True`` on others), off for the subset and optimal projectors.
-    fallback : {"evidence", "weight_norm"}, default="evidence"
-        The objective behind ``hyper="auto"``.
     """
 
     fitted_attributes = GLMPosterior.fitted_attributes + (
@@ -327,11 +331,9 @@ class SubspacePosterior(GLMPosterior):
 
     def __init__(self, projector, subspace_dim="auto", prior_variance="auto",
                  noise_variance=None, hyper="auto", n_subset="auto", subspace_X=None,
-                 swag_learning_rate=1e-2, swag_n_steps=100, residual_correction="auto",
-                 fallback="evidence"):
+                 swag_learning_rate=1e-2, swag_n_steps=100, residual_correction="auto"):
         super().__init__(None, prior_variance, noise_variance, hyper=hyper,
-                         residual_correction=residual_correction, label="subspace Laplace",
-                         fallback=fallback)
+                         residual_correction=residual_correction, label="subspace Laplace")
         self.projector = projector
         self.subspace_dim = subspace_dim
         self.n_subset = n_subset
@@ -376,7 +378,7 @@ class SubspacePosterior(GLMPosterior):
             stat = self._fit_statistic(lin, data)
             self._kfac_fit = dict(eigvals=kfac.eigvals(), theta_sq_norm=theta_sq,
                                   data_fit=stat, n_obs=N * C, n_params=P)
-            res = Evidence().select(s0, s2, **self._kfac_fit)
+            res = Evidence().select(HyperContext(s0, s2, **self._kfac_fit))
             self._kfac_result = res
             return res.prior_variance, res.noise_variance
         s0p = float(s0) if s0 != "auto" else max(theta_sq / max(P, 1), 1e-12)
@@ -486,19 +488,18 @@ class SubspacePosterior(GLMPosterior):
         with warnings.catch_warnings():
             if not warn:
                 warnings.simplefilter("ignore", HyperparameterWarning)
-            return Evidence().select("auto", float(s2), **self._kfac_fit).prior_variance
+            return Evidence().select(HyperContext("auto", float(s2), **self._kfac_fit)
+                                     ).prior_variance
 
     def _objective(self, data, e, T, prior_scale, fit_stat, n_seen, warn=True):
         """The GLM strategy, or on the KFAC ridge: ``s0^2 = s0_KFAC(s2)`` and an ``"auto"``
         noise maximising the subspace model's own evidence along that ridge."""
         if not self._kfac_ridge:
             return super()._objective(data, e, T, prior_scale, fit_stat, n_seen, warn=warn)
-        kw = self._spectrum(e, prior_scale, fit_stat, n_seen)
-        kw.pop("n_params")
-        kw.pop("prior_scale")
+        kw = self._context(e, prior_scale, fit_stat, n_seen).evidence_kwargs
         if self.noise_variance != "auto":
             s2 = float(self.noise_variance)
-            return HyperResult(self._kfac_prior_at(s2, warn) * prior_scale, s2, "evidence",
+            return HyperResult(self._kfac_prior_at(s2, warn) * prior_scale, s2, Evidence.name,
                                {"noise_variance": np.array([s2])})
 
         ridge = {}  # u -> the KFAC prior at s2 = exp(u), each solved once
@@ -521,7 +522,7 @@ class SubspacePosterior(GLMPosterior):
         trace.pop("at_edge", None)
         s0 = self._kfac_prior_at(s2, warn)
         trace["prior_variance"] = np.array([ridge[u] for u in trace.pop("log_grid")])
-        return HyperResult(s0 * prior_scale, s2, "evidence", trace)
+        return HyperResult(s0 * prior_scale, s2, Evidence.name, trace)
 
     def _inside_trace(self):
         """``tr((V^T V)^-1 V^T G V)``: the GGN's trace inside ``span(P)``."""

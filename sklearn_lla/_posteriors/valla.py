@@ -35,6 +35,7 @@ import math
 import numpy as np
 import torch
 
+from .._core.hyper import OBJECTIVE, Fixed, VariationalEnergy
 from .._core.linalg import cholesky
 from .complement import DiagonalComplement, row_subset
 from .gp import (
@@ -274,12 +275,14 @@ class VaLLAPosterior(FixedMeanGPPosterior):
         x0, _ = data.rows(np.arange(1))
         theta = lin.flat_params().to(_F64)
         self.theta_sq = float(theta @ theta)
-        self._weight_norm = False
+        self.fixed_strategy = Fixed.name
         if isinstance(self.prior_setting, str):
             s0 = max(self.theta_sq / lin.n_params, 1e-8)
-            # classification: the weight-norm value, not learned (see the class notes)
-            learn = data.likelihood.task == "regression"
-            self._weight_norm = not learn
+            # the family's objective: learned (regression) or the weight norm, kept
+            objective = OBJECTIVE[("variational", data.likelihood.task)]
+            learn = objective == VariationalEnergy.name
+            if not learn:
+                self.fixed_strategy = objective
         else:
             s0, learn = float(self.prior_setting), False
         self.initial_prior_variance = s0
@@ -343,9 +346,6 @@ class VaLLAPosterior(FixedMeanGPPosterior):
         self.hyper_trace = {**self.hyper_trace, "kl": float(self._kl) + mean_kl,
                             "kl_covariance": float(self._kl), "kl_mean": mean_kl,
                             "start": self.start_trace}
-        if self._weight_norm:
-            self.hyper_strategy = "weight_norm"
-            self.hyper_trace["prior_variance"] = np.array([self.prior_variance])
         for name in ("_Z_fit", "_cz_fit", "_chol1", "_v1"):
             self.__dict__.pop(name, None)
         self.kernel.__dict__.pop("_z_cache", None)
