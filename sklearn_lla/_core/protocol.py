@@ -361,6 +361,10 @@ class Posterior(abc.ABC):
     #: held-out rows then choose the noise variance alone, the posterior refitted.
     refits_noise: bool = False
 
+    #: At most this many torch intra-op threads while :meth:`calibrate` runs (its
+    #: many held-out NLL evaluations are small tensor operations); 0: unchanged.
+    calibration_threads: int = 0
+
     #: Whether the prior variance was ``"auto"`` (set by :meth:`fit` of a posterior that
     #: :attr:`refits_noise`).
     auto_prior: bool = True
@@ -399,6 +403,13 @@ class Posterior(abc.ABC):
         generator : torch.Generator, optional
             Random source of a row subset and of Monte Carlo draws.
         """
+        from .utils import torch_threads
+
+        with torch_threads(self.calibration_threads):
+            self._calibrate(validation, noise, temperature, generator)
+
+    def _calibrate(self, validation, noise, temperature, generator):
+        """:meth:`calibrate` itself (under its thread limit)."""
         from . import calibration as cal
         from .likelihoods import uses_mc_link
 

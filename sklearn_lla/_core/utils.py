@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 from sklearn.utils import check_random_state
 
-__all__ = ["resolve_device", "torch_seed", "generator_seed", "seeded"]
+__all__ = ["resolve_device", "torch_seed", "generator_seed", "seeded", "torch_threads"]
 
 
 def resolve_device(device) -> torch.device:
@@ -63,3 +64,35 @@ def seeded(seed: int, device: torch.device | None = None):
         yield
 
 
+_THREADS_LOCK = threading.Lock()
+_THREADS_STATE = {"depth": 0, "before": None}
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Run the block with at most ``n`` torch intra-op threads, then restore the setting.
+
+    Re-entrant and safe across threads (several fits or predictions at once): the
+    first block to enter records the setting and lowers it, the last one to leave
+    restores it. Like scikit-learn's ``threadpool_limits`` inside ``fit``, the limit
+    is process-wide while any such block runs. ``n <= 0`` does nothing.
+    """
+    if n <= 0:
+        yield
+        return
+    with _THREADS_LOCK:
+        if _THREADS_STATE["depth"] == 0:
+            before = torch.get_num_threads()
+            _THREADS_STATE["before"] = before
+            if n < before:
+                torch.set_num_threads(n)
+        _THREADS_STATE["depth"] += 1
+    try:
+        yield
+    finally:
+        with _THREADS_LOCK:
+            _THREADS_STATE["depth"] -= 1
+            if _THREADS_STATE["depth"] == 0:
+                if torch.get_num_threads() != _THREADS_STATE["before"]:
+                    torch.set_num_threads(_THREADS_STATE["before"])
+                _THREADS_STATE["before"] = None
