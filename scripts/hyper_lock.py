@@ -70,6 +70,17 @@ def _nets(data):
     return out
 
 
+#: Early-stopping loops (ELLA's streamed checks, sampled LLA's Adam) with held-out rows.
+_EXTRA = {
+    "ELLARegressor": [("early_stopping", {"early_stopping": True, "search_freq": 20}),
+                      ("early_stopping_fixed_prior", {"early_stopping": True, "search_freq": 20,
+                                                      "prior_variance": 0.05})],
+    "ELLAClassifier": [("early_stopping", {"early_stopping": True, "search_freq": 20})],
+    "SampledLLARegressor": [("adam_early_stopping", {"early_stopping": True, "solver": "adam",
+                                                     "max_iter": 200})],
+}
+
+
 def _strategies(entry):
     from sklearn.utils._param_validation import StrOptions
 
@@ -108,6 +119,7 @@ def run():
                  ("pretrained", net, {}, None)]
         cases += [(f"hyper_{s}", None, {"hyper_strategy": s}, None) for s in _strategies(entry)]
         cases.append(("fixed_prior", None, {"prior_variance": 0.05}, None))
+        cases += [(label, net, kw, (Xv, yv)) for label, kw in _EXTRA.get(entry.cls.__name__, [])]
         if task == "regression":
             cases.append(("fixed_noise", None, {"noise_variance": 0.3}, None))
             cases.append(("fixed_both", None, {"noise_variance": 0.3, "prior_variance": 0.05},

@@ -35,6 +35,7 @@ from .._core import calibration as cal
 from .._core.hyper import HyperContext, HyperparameterWarning, ValidationGrid, resolve, strategy
 from .._core.likelihoods import mc_seed, uses_mc_link
 from .._core.linalg import cholesky, safe_eigh
+from .._core.optim import Patience
 from .._core.protocol import (
     FitData,
     LatentPredictive,
@@ -488,8 +489,8 @@ class GLMPosterior(Posterior):
         G = torch.zeros((K, K), dtype=torch.float64, device=data.device)
         fit_stat = 0.0  # residual sum of squares (regression) or log likelihood
         bar = data.progress(N, desc)
-        n_seen, next_check, bad = 0, self.search_freq, 0
-        best = None
+        n_seen, next_check = 0, self.search_freq
+        best, patience = None, Patience(self.n_iter_no_change)
         for x, y in data.batches(bs, order=order):
             df, b = _accumulate_batch(feats, lik, G, x, y)
             fit_stat += df
@@ -505,20 +506,17 @@ class GLMPosterior(Posterior):
                 except FloatingPointError:  # no finite candidate at this check
                     score = np.inf
                 self.history.append((n_seen, score))
-                if np.isfinite(score) and (best is None or score < best[0]):
-                    best = (score, G.clone(), n_seen, fit_stat, self._seen_trace)
-                    bad = 0
-                else:
-                    bad += 1
-                    if bad >= self.n_iter_no_change:
-                        break
+                if patience.update(score):
+                    best = (G.clone(), n_seen, fit_stat, self._seen_trace)
+                elif patience.stop:
+                    break
         if bar is not None:
             bar.close()
         if best is None:
             raise FloatingPointError(
                 "early stopping: the held-out NLL was not finite at any check; check "
                 "the validation data and the network's outputs on it")
-        _, G, n_seen, fit_stat, self._seen_trace = best
+        G, n_seen, fit_stat, self._seen_trace = best
         return G, fit_stat, n_seen
 
     def _held_out_score(self, data, G, prior_scale, fit_stat, n_seen):

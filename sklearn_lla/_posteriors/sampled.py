@@ -68,7 +68,7 @@ from sklearn.exceptions import ConvergenceWarning
 
 from .._core.hyper import EM, HyperContext, HyperResult, ValidationGrid, resolve, strategy
 from .._core.likelihoods import mc_seed, uses_mc_link
-from .._core.optim import minibatches, minimize
+from .._core.optim import Patience, minibatches, minimize
 from .._core.protocol import LatentPredictive, Posterior, validation_residuals
 from .._network.linearized import stack_flat
 
@@ -112,9 +112,9 @@ NOISE_GRID = np.logspace(-1, 1, 21)
 _SCAN_FRACTION = 0.25
 
 #: The scan stops after this many candidates in a row scoring worse than the best by
-#: more than ``_SCAN_TOL`` (relative).
+#: more than ``_SCAN_SLACK`` (relative; :class:`~sklearn_lla._core.optim.Patience`).
 _SCAN_PATIENCE = 2
-_SCAN_TOL = 1e-3
+_SCAN_SLACK = 1e-3
 
 
 class _HandGradient(torch.autograd.Function):
@@ -546,7 +546,8 @@ class SampledLLAPosterior(Posterior):
         s0s = base * np.sort(np.asarray(grid.prior_grid, dtype=np.float64))
         factors = np.asarray(grid.noise_grid, dtype=np.float64) if fit_noise else np.ones(1)
         scan_iter = max(1, math.ceil(self._iterations(data) * _SCAN_FRACTION))
-        scores, best, bad = [], None, 0
+        scores, best = [], None
+        patience = Patience(_SCAN_PATIENCE, slack=_SCAN_SLACK)
         seed = mc_seed(lik, data.generator)  # common random numbers across the scan
         self._sigma = math.sqrt(s0s[0]) * scale
         self._Z = self._eps0 * self._sigma
@@ -556,18 +557,15 @@ class SampledLLAPosterior(Posterior):
             row = self._validation_nll(data, lik, factors, s2_ref, seed)
             scores.append(row)
             j = int(np.argmin(row))
-            if best is None or row[j] < best[0]:
-                best, bad = (row[j], i, j, self._delta.clone(), self._Z.clone()), 0
-            elif row[j] > best[0] + _SCAN_TOL * abs(best[0]):
-                bad += 1
-                if bad >= _SCAN_PATIENCE:
-                    break
-            else:  # within the tolerance of the best: not a clearly worse candidate
-                bad = 0
-        score, i, j, self._delta, self._Z = best
-        if not np.isfinite(score):
+            if patience.update(float(row[j])):
+                best = (i, j, self._delta.clone(), self._Z.clone())
+            elif patience.stop:
+                break
+        if best is None:
             raise FloatingPointError(
                 "the validation NLL is not finite for any candidate hyperparameter")
+        score = patience.best
+        i, j, self._delta, self._Z = best
         c = float(factors[j])
         self._Z *= math.sqrt(c)  # exact samples at (c s0^2, c s2): same draws
         self._sigma = self._sigma * math.sqrt(c)
