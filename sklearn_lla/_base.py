@@ -39,7 +39,7 @@ from torch import nn
 
 from ._conformal import ConformalClassifierMixin, ConformalRegressorMixin, calibrate_held_out
 from ._core import dask as _dask
-from ._core.hyper import STRATEGIES
+from ._core.hyper import GLM_STRATEGIES, STRATEGIES
 from ._core.likelihoods import Bernoulli, Categorical, Gaussian, point_normals, row_keys
 from ._core.linalg import cholesky
 from ._core.protocol import FitData, holdout_rows, to_batch
@@ -72,9 +72,7 @@ _TARGET_CHECK_SPREAD = 10.0
 _COMMON_CONSTRAINTS = {
     "net": "no_validation",
     "prior_variance": [Interval(Real, 0, None, closed="neither"), StrOptions({"auto"})],
-    "hyper_strategy": [StrOptions({"auto", "evidence", "validation", "weight_norm"})],
     "validation_fraction": [Interval(Real, 0, 1, closed="neither")],
-    "trainable_only": ["boolean"],
     "device": [str, torch.device],
     "batch_size": [Interval(Integral, 1, None, closed="left")],
     "random_state": ["random_state"],
@@ -800,6 +798,12 @@ class LaplaceClassifierMixin(ClassifierMixin, ConformalClassifierMixin, _Laplace
         proba = self.predict_proba(X)
         return self.classes_[np.argmax(proba, axis=1)]
 
+
+#: Constraints of the estimators that linearise the network (not FMGP).
+LINEARIZED_CONSTRAINTS = {"trainable_only": ["boolean"]}
+
+#: The ``hyper_strategy`` of the GLM-family estimators (exact LLA, ELLA, subspace).
+GLM_STRATEGY_CONSTRAINTS = {"hyper_strategy": [StrOptions(set(GLM_STRATEGIES))]}
 
 #: Parameter constraints shared by every estimator (methods extend them).
 REGRESSOR_CONSTRAINTS = {

@@ -16,6 +16,8 @@ from sklearn.utils._tags import ClassifierTags, RegressorTags
 
 from ._base import (
     CLASSIFIER_CONSTRAINTS,
+    GLM_STRATEGY_CONSTRAINTS,
+    LINEARIZED_CONSTRAINTS,
     REGRESSOR_CONSTRAINTS,
     LaplaceClassifierMixin,
     LaplaceRegressorMixin,
@@ -30,6 +32,8 @@ class _SubspaceMixin:
     """Subspace Laplace's parameters and posterior, shared by the estimators."""
 
     _subspace_constraints = {
+        **LINEARIZED_CONSTRAINTS,
+        **GLM_STRATEGY_CONSTRAINTS,
         "projector": [StrOptions(set(PROJECTORS))],
         "subspace_dim": [Interval(Integral, 1, None, closed="left"), StrOptions({"auto"})],
         "residual_correction": ["boolean", StrOptions({"auto", "kfac"})],

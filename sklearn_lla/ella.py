@@ -11,6 +11,8 @@ from sklearn.utils._param_validation import Interval, StrOptions
 
 from ._base import (
     CLASSIFIER_CONSTRAINTS,
+    GLM_STRATEGY_CONSTRAINTS,
+    LINEARIZED_CONSTRAINTS,
     REGRESSOR_CONSTRAINTS,
     LaplaceClassifierMixin,
     LaplaceRegressorMixin,
@@ -26,6 +28,8 @@ class _ELLAMixin:
     """ELLA's parameters and posterior, shared by the regressor and the classifier."""
 
     _ella_constraints = {
+        **LINEARIZED_CONSTRAINTS,
+        **GLM_STRATEGY_CONSTRAINTS,
         "n_nystrom": [Interval(Integral, 1, None, closed="left")],
         "n_components": [Interval(Integral, 1, None, closed="left"), StrOptions({"auto"})],
         "early_stopping": ["boolean"],

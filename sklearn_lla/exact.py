@@ -10,6 +10,8 @@ from sklearn.utils._param_validation import StrOptions
 
 from ._base import (
     CLASSIFIER_CONSTRAINTS,
+    GLM_STRATEGY_CONSTRAINTS,
+    LINEARIZED_CONSTRAINTS,
     REGRESSOR_CONSTRAINTS,
     LaplaceClassifierMixin,
     LaplaceRegressorMixin,
@@ -25,6 +27,8 @@ class _LLAMixin:
     """The exact-LLA part shared by :class:`LLARegressor` and :class:`LLAClassifier`."""
 
     _lla_constraints = {
+        **LINEARIZED_CONSTRAINTS,
+        **GLM_STRATEGY_CONSTRAINTS,
         "space": [StrOptions({"auto", "parameter", "function"})],
         "subset_of_weights": [StrOptions({"all", "last_layer"})],
     }

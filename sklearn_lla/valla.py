@@ -14,6 +14,7 @@ from sklearn.utils._param_validation import Interval, StrOptions
 
 from ._base import (
     CLASSIFIER_CONSTRAINTS,
+    LINEARIZED_CONSTRAINTS,
     REGRESSOR_CONSTRAINTS,
     LaplaceClassifierMixin,
     LaplaceRegressorMixin,
@@ -37,6 +38,7 @@ class _VaLLAMixin:
     """VaLLA's parameters and posterior, shared by the regressor and the classifier."""
 
     _valla_constraints = {
+        **LINEARIZED_CONSTRAINTS,
         "n_inducing": [Interval(Integral, 1, None, closed="left"), StrOptions({"auto"})],
         "covariance": [StrOptions({"subspace+diagonal", "subspace", "full"})],
         "init": [StrOptions({"optimal", "identity"})],
