@@ -42,8 +42,8 @@ from ._core import dask as _dask
 from ._core.hyper import GLM_STRATEGIES, STRATEGIES
 from ._core.likelihoods import Bernoulli, Categorical, Gaussian, point_normals, row_keys
 from ._core.linalg import cholesky
-from ._core.protocol import FitData, holdout_rows, to_batch
-from ._core.utils import resolve_device, torch_seed
+from ._core.protocol import FitData, check_finite_outputs, holdout_rows, to_batch
+from ._core.utils import int_seed, module_dtype, resolve_device, torch_seed
 from ._network.linearized import LinearizedNet
 from ._network.resolve import is_pretrained, resolve_net, skorch_validation_rows
 
@@ -261,7 +261,7 @@ class _LaplaceBase(BaseEstimator, metaclass=abc.ABCMeta):
         resolved = resolve_net(self.net, self._task, Xtr, ytr, self._n_net_outputs(ytr, classes),
                                seed, device)
         _check_input_width(resolved.module, X)
-        example = to_batch(X, slice(0, min(len(X), 8)), _module_dtype(resolved.module), device)
+        example = to_batch(X, slice(0, min(len(X), 8)), module_dtype(resolved.module), device)
         try:
             lin = LinearizedNet(resolved.module, device, resolved.output_transform,
                                 example_input=example, trainable_only=self.trainable_only,
@@ -289,7 +289,7 @@ class _LaplaceBase(BaseEstimator, metaclass=abc.ABCMeta):
                 source = "rows held out from training the network"
             elif pretrained and not _dask.is_dask(X):  # dask: pass validation_data
                 rows = skorch_validation_rows(resolved.net, X, y_full, self._task,
-                                              _module_dtype(resolved.module))
+                                              module_dtype(resolved.module))
                 if rows is not None:
                     (train_idx, val_idx), source = rows, "the skorch net's own validation split"
             if val_idx is not None:
@@ -382,11 +382,7 @@ class _LaplaceBase(BaseEstimator, metaclass=abc.ABCMeta):
             sl = slice(start, min(start + self.batch_size, len(X)))
             x = to_batch(X, sl, lin.dtype, lin.device)
             lp = self.posterior_.predict(x)
-            if not bool(torch.isfinite(lp.mean).all()):
-                raise ValueError(
-                    f"the network produced non-finite outputs (NaN or inf) for rows "
-                    f"{sl.start}..{sl.stop - 1} of X; check the inputs' scale"
-                )
+            check_finite_outputs(lp.mean, f"rows {sl.start}..{sl.stop - 1} of X")
             if not bool(torch.isfinite(lp.cov).all()):
                 raise FloatingPointError(f"non-finite predictive covariance for rows "
                                          f"{sl.start}..{sl.stop - 1} of X")
@@ -403,11 +399,7 @@ class _LaplaceBase(BaseEstimator, metaclass=abc.ABCMeta):
         for start in range(0, len(X), self.batch_size):
             sl = slice(start, min(start + self.batch_size, len(X)))
             g = lin.forward(to_batch(X, sl, lin.dtype, lin.device)).double().cpu()
-            if not bool(torch.isfinite(g).all()):
-                raise ValueError(
-                    f"the network produced non-finite outputs (NaN or inf) for rows "
-                    f"{sl.start}..{sl.stop - 1} of X; check the inputs' scale"
-                )
+            check_finite_outputs(g, f"rows {sl.start}..{sl.stop - 1} of X")
             yield sl, g.numpy()
 
     def _predict_joint(self, X):
@@ -442,13 +434,6 @@ def _encode(y, classes):
     """Indices of labels ``y`` in ``classes`` (all known)."""
     sorter = np.argsort(classes)
     return sorter[np.searchsorted(classes, y, sorter=sorter)].astype(np.int64)
-
-
-def _module_dtype(module):
-    for p in module.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.float32
 
 
 class LaplaceRegressorMixin(RegressorMixin, ConformalRegressorMixin, _LaplaceBase):
@@ -604,11 +589,9 @@ class LaplaceRegressorMixin(RegressorMixin, ConformalRegressorMixin, _LaplaceBas
             raise ValueError(f"n_samples must be a positive integer, got {n_samples!r}")
         X = self._check_X(X)
         if _dask.is_dask(X):  # joint within each block; block i seeded by (seed, i)
-            seed = (random_state if isinstance(random_state, Integral)
-                    else check_random_state(random_state).randint(2**31 - 1))
             tail = ((n_samples,) if self._y_1d else (self.n_outputs_, n_samples))
             return _dask.lazy_apply(self, X, "sample_y", shape_tail=tail, n_samples=n_samples,
-                                    seed=int(seed))
+                                    seed=int_seed(random_state))
         rng = check_random_state(random_state)
         mean, cov = self._predict_joint(X)
         n, C = mean.shape

@@ -37,9 +37,10 @@ class _LLAMixin:
         if self.subset_of_weights != "last_layer":
             return {}
         from ._core.protocol import to_batch
+        from ._core.utils import module_dtype
         from ._network.resolve import last_layer_param_names
 
-        example = to_batch(X, slice(0, min(len(X), 8)), next(module.parameters()).dtype, device)
+        example = to_batch(X, slice(0, min(len(X), 8)), module_dtype(module), device)
         return {"param_names": last_layer_param_names(module, example)}
 
     def _make_posterior(self, data):

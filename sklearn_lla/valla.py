@@ -9,7 +9,6 @@ from __future__ import annotations
 from numbers import Integral, Real
 
 import numpy as np
-import torch
 from sklearn.utils._param_validation import Interval, StrOptions
 
 from ._base import (
@@ -19,6 +18,7 @@ from ._base import (
     LaplaceClassifierMixin,
     LaplaceRegressorMixin,
 )
+from ._core.utils import generator_seed
 from ._posteriors.valla import VaLLAPosterior
 
 __all__ = ["VaLLARegressor", "VaLLAClassifier"]
@@ -56,7 +56,7 @@ class _VaLLAMixin:
 
     def _make_posterior(self, data):
         regression = data.likelihood.task == "regression"
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=data.generator))
+        seed = generator_seed(data.generator)
         n_inducing = self.n_inducing
         if n_inducing == "auto":  # k-means caps it at the number of training rows
             n_inducing = AUTO_INDUCING["regression" if regression else "classification"]

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .utils import cast_rows
+
 __all__ = ["FitData", "LatentPredictive", "Posterior", "holdout_rows",
            "to_batch", "check_finite_outputs", "validation_residuals"]
 
@@ -78,10 +80,8 @@ def to_batch(X, sl, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     Reads only those rows (memmaps and other array-likes are never loaded whole) and
     always copies, so read-only input never backs a tensor.
     """
-    rows = X[sl]
-    np_dtype = torch.empty((), dtype=dtype).numpy().dtype
-    with np.errstate(over="ignore"):
-        arr = np.array(rows, dtype=np_dtype, copy=True)
+    arr = cast_rows(X[sl], dtype)
+    np_dtype = arr.dtype
     if not np.isfinite(arr).all():
         what = (f"rows {sl.start}..{sl.stop - 1}" if isinstance(sl, slice) else "some rows")
         raise ValueError(

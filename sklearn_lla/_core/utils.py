@@ -1,14 +1,17 @@
-"""Small shared helpers: devices and seeding."""
+"""Small shared helpers: devices, seeds, dtypes and torch threads (one home each)."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from numbers import Integral
 
+import numpy as np
 import torch
 from sklearn.utils import check_random_state
 
-__all__ = ["resolve_device", "torch_seed", "generator_seed", "seeded", "torch_threads"]
+__all__ = ["resolve_device", "torch_seed", "int_seed", "generator_seed", "seeded",
+           "torch_threads", "module_dtype", "cast_rows"]
 
 
 def resolve_device(device) -> torch.device:
@@ -38,6 +41,32 @@ def torch_seed(random_state) -> int:
     """Draw a torch seed from ``random_state`` (int, RandomState or None)."""
     rng = check_random_state(random_state)
     return int(rng.randint(0, 2**31 - 1))
+
+
+def int_seed(random_state) -> int:
+    """An int ``random_state`` as it is, else one drawn from it (RandomState or None)."""
+    if isinstance(random_state, Integral):
+        return int(random_state)
+    return int(check_random_state(random_state).randint(2**31 - 1))
+
+
+def module_dtype(module) -> torch.dtype:
+    """The dtype of a module's first floating-point parameter (float32 without any)."""
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def cast_rows(rows, dtype: torch.dtype) -> np.ndarray:
+    """A fresh numpy copy of ``rows`` in the numpy dtype of the torch ``dtype``.
+
+    Values beyond the dtype's range overflow to ``inf`` silently: the caller checks
+    finiteness and names the rows in its error.
+    """
+    np_dtype = torch.empty((), dtype=dtype).numpy().dtype
+    with np.errstate(over="ignore"):
+        return np.array(rows, dtype=np_dtype, copy=True)
 
 
 def generator_seed(generator: torch.Generator) -> int:
