@@ -24,13 +24,10 @@ from ._posteriors.valla import VaLLAPosterior
 __all__ = ["VaLLARegressor", "VaLLAClassifier"]
 
 #: ``n_inducing="auto"``: inducing pairs by task (at most the number of training rows).
-#: Regression: 300, not the paper's 100: with 100 the ``"subspace"`` predictive keeps
-#: almost no variance off the data (friedman1 under shift: std ratio 1.00, a tie with
-#: the raw network's constant std) and, without held-out rows, learns a noise close to
-#: the fitted training residuals (90 % coverage 0.58); 300 gives std ratio 1.05-1.08
-#: and a shift NLL 0.03-0.26 nats below the raw network's, at 3.5 s instead of 0.7 s on
-#: friedman1 (600 rows) and 21 s instead of 5.6 s on a 20,000 x 90 regression
-#: (docs/valla.md). Classification: 100 pairs (``M / C`` per class).
+#: Regression: 300, not the paper's 100, with which the ``"subspace"`` predictive
+#: keeps almost no variance off the data and, without held-out rows, learns a noise
+#: close to the fitted training residuals (``docs/valla.md``, item 9, for the
+#: measurements). Classification: 100 pairs (``M / C`` per class).
 AUTO_INDUCING = {"regression": 300, "classification": 100}
 
 

@@ -382,8 +382,7 @@ class GLMPosterior(Posterior):
         The evidence, the validation grid and every noise search score many candidate
         hyperparameters from one eigendecomposition; the weight norm and fixed
         values need one posterior only, which a Cholesky factor gives at a fraction
-        of the cost (``K = P = 6,310`` on digits: about 45 s of ``eigh`` on 2 cores
-        against 2 s).
+        of the cost (``docs/exact.md``).
         """
         noise_auto = self._regression and self.noise_variance == "auto"
         return self._strategy_obj().needs_spectrum or noise_auto

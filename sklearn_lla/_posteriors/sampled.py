@@ -31,10 +31,11 @@ Antoran et al. (ICLR 2023), nothing ``P x P`` or ``NC x NC`` is ever formed:
   (``n_em_samples="auto"``: 16, grown to the count that brings the error to 5 %) and
   only the final E-step solves all ``K``: on a 20,000-row problem with
   ``P = 98,801`` a step with ``K + 1 = 65`` tangents costs 8 times one with 9. Classification:
-  ``s0^2 = ||theta_hat / s||^2 / P`` (``"weight_norm"``, as exact LLA's classifier): for
-  a network that fits its training rows (the usual case) the softmax curvature there
-  vanishes and the EM fixed point is 15-200 times this value, far under-confident
-  (measured in ``docs/sampled.md``); ``hyper="em"`` still runs the paper's EM.
+  ``s0^2 = ||theta_hat / s||^2 / P`` (``"weight_norm"``, the objective table's
+  :data:`~sklearn_lla._core.hyper.OBJECTIVE`): for a network that fits its training
+  rows (the usual case) the softmax curvature there vanishes and the EM fixed point
+  is a far broader prior, under-confident (``docs/sampled.md``); ``hyper="em"`` still
+  runs the paper's EM.
 * **Held-out rows** (rows the network did not fit) are used after ``fit`` only, by
   :meth:`SampledLLAPosterior.calibrate`: regression rescales the whole predictive by
   the exact rescaling ``(c s0^2, c s2)`` (the samples at ``(c s0^2, c s2)`` are
@@ -84,9 +85,9 @@ G_PRIOR_FLOOR = 1e-4
 _CHECK_FREQ = 50
 
 #: ``max_iter="auto"``: conjugate-gradient iterations (full data passes) / Adam steps
-#: per E-step. CG stops at its tolerance and usually needs 150-300 iterations on the
-#: bundled data sets (one friedman1 split needed 304), so its cap only bounds a
-#: pathological run; Adam runs all of its steps.
+#: per E-step. CG stops at its tolerance, well before its cap on the bundled data sets
+#: (``docs/sampled.md``): the cap only bounds a pathological run. Adam runs all of
+#: its steps.
 AUTO_ITERATIONS = {"cg": 1000, "adam": 300}
 
 #: Largest number of batches in a full data pass for which ``solver="auto"`` uses
@@ -443,10 +444,8 @@ class SampledLLAPosterior(Posterior):
             return V + sigma * D
 
         # No preconditioner: a Jacobi one (diag(G) estimated from the perturbations)
-        # measured 3-4 x more iterations on the test problems (and no convergence in 300
-        # on friedman1, where plain CG takes 263), and made the iterates far more
-        # sensitive to rounding (a 1e-15 relative perturbation of
-        # the products moved the std by 7e-3 after 20 iterations, against 1e-5 without).
+        # needed more iterations and made the iterates far more sensitive to rounding
+        # (docs/sampled.md).
         tiny = torch.finfo(_F64).tiny
         bnorm = B.norm(dim=1).clamp_min(tiny)
         R = B - op(X)
