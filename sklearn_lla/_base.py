@@ -166,12 +166,46 @@ class _LaplaceBase(BaseEstimator, metaclass=abc.ABCMeta):
         ytr = y_enc if train_idx is None else y_enc[train_idx]
         resolved = resolve_net(self.net, self._task, Xtr, ytr, self._n_net_outputs(ytr, classes),
                                seed, device)
-        check_input_width(resolved.module, X)
-        example = to_batch(X, slice(0, min(len(X), 8)), module_dtype(resolved.module), device)
+        lin = self._linearize(resolved, X, device)
+        C = lin.n_outputs(to_batch(X, slice(0, 1), lin.dtype, device))
+        likelihood, classes, ytr = self._likelihood(C, ytr, classes, resolved, pretrained)
+        generator = torch.Generator().manual_seed(seed)
+        kw = dict(batch_size=self.batch_size, verbose=self.verbose)
+        y_full = ytr if train_idx is None else y_enc  # encoded targets of every row of X
+        yt = self._target_tensor(y_full, device)
+        if validation_data is not None:
+            Xv, yv = self._validation_arrays(validation_data, classes, C)
+            validation = FitData(lin, likelihood, Xv, self._target_tensor(yv, device), **kw)
+            source = "validation_data"
+        else:
+            source = "rows held out from training the network" if val_idx is not None else None
+            if val_idx is None and pretrained and not _dask.is_dask(X):  # dask: pass them
+                rows = skorch_validation_rows(resolved.net, X, y_full, self._task,
+                                              module_dtype(resolved.module))
+                if rows is not None:
+                    (train_idx, val_idx), source = rows, "the skorch net's own validation split"
+            validation = (None if val_idx is None
+                          else FitData(lin, likelihood, X, yt, index=val_idx, **kw))
+        data = FitData(lin, likelihood, X, yt, generator=generator, validation=validation,
+                       index=train_idx, **kw)
+        posterior = self._fit_posterior(data, generator)
+        if self._task == "regression" and pretrained:
+            # after the fit: bad rows have been reported there, with their own message
+            check_target_scale(lin, X, y_enc, self)
+        self._publish(resolved.net, lin, C, posterior, source, seed, classes)
+        # split-conformal calibration on the held-out rows, if any (_conformal.py);
+        # a refit always drops the previous calibration
+        calibrate_held_out(self, validation, source)
+
+    def _linearize(self, resolved, X, device):
+        """The :class:`LinearizedNet` of the resolved network, checked against ``X``."""
+        module = resolved.module
+        check_input_width(module, X)
+        example = to_batch(X, slice(0, min(len(X), 8)), module_dtype(module), device)
         try:
-            lin = LinearizedNet(resolved.module, device, resolved.output_transform,
-                                example_input=example, trainable_only=self.trainable_only,
-                                **self._linearize_kwargs(resolved.module, X, device))
+            return LinearizedNet(module, device, resolved.output_transform,
+                                 example_input=example, trainable_only=self.trainable_only,
+                                 **self._linearize_kwargs(module, X, device))
         except (RuntimeError, TypeError, IndexError) as exc:
             # shape mismatches surface from torch as RuntimeErrors
             raise ValueError(
@@ -179,46 +213,30 @@ class _LaplaceBase(BaseEstimator, metaclass=abc.ABCMeta):
                 f"({X.shape[1]} feature(s)): {exc}. Check that X has the columns the "
                 "network was trained on (same features, order and preprocessing)"
             ) from exc
-        C = lin.n_outputs(to_batch(X, slice(0, 1), lin.dtype, device))
-        likelihood, classes, ytr = self._likelihood(C, ytr, classes, resolved, pretrained)
-        generator = torch.Generator().manual_seed(seed)
-        kw = dict(batch_size=self.batch_size, verbose=self.verbose)
-        y_full = ytr if train_idx is None else y_enc  # encoded targets of every row of X
-        yt = self._target_tensor(y_full, device)
-        validation, source = None, None
-        if validation_data is not None:
-            Xv, yv = self._validation_arrays(validation_data, classes, C)
-            validation = FitData(lin, likelihood, Xv, self._target_tensor(yv, device), **kw)
-            source = "validation_data"
-        else:
-            if val_idx is not None:
-                source = "rows held out from training the network"
-            elif pretrained and not _dask.is_dask(X):  # dask: pass validation_data
-                rows = skorch_validation_rows(resolved.net, X, y_full, self._task,
-                                              module_dtype(resolved.module))
-                if rows is not None:
-                    (train_idx, val_idx), source = rows, "the skorch net's own validation split"
-            if val_idx is not None:
-                validation = FitData(lin, likelihood, X, yt, index=val_idx, **kw)
-        data = FitData(lin, likelihood, X, yt, generator=generator, validation=validation,
-                       index=train_idx, **kw)
+
+    def _fit_posterior(self, data, generator):
+        """Fit the method's posterior on ``data``, then calibrate it on the held-out rows.
+
+        The held-out rows' one use after ``fit``: one scalar (the noise, the scale of
+        a rescalable posterior, or a temperature), the posterior covariance kept;
+        unless the strategy itself chose the hyperparameters on them.
+        """
         posterior = self._make_posterior(data).fit(data)
-        if self._task == "regression" and pretrained:
-            # after the fit: bad rows have been reported there, with their own message
-            check_target_scale(lin, X, y_enc, self)
-        if validation is not None and not STRATEGIES[posterior.hyper_strategy].uses_held_out:
-            # the one use of held-out rows after fit: calibrate the noise (regression) or
-            # a temperature (classification) on them, keeping the posterior covariance
+        if data.validation is not None and \
+                not STRATEGIES[posterior.hyper_strategy].uses_held_out:
             posterior.calibrate(
-                validation, generator=generator,
+                data.validation, generator=generator,
                 noise=self._task == "regression" and self.noise_variance == "auto",
                 temperature=self._task == "classification" and self.prior_variance == "auto")
-        # -- success: publish the fitted state ------------------------------------
-        self.net_ = resolved.net
+        return posterior
+
+    def _publish(self, net, lin, n_outputs, posterior, source, seed, classes):
+        """Set the fitted attributes (only once everything succeeded: atomic refits)."""
+        self.net_ = net
         self.linearized_net_ = lin
         self.jacobian_backend_ = lin.backend
         self.jacobian_backend_reason_ = lin.backend_reason
-        self.n_outputs_ = C
+        self.n_outputs_ = n_outputs
         self.posterior_ = posterior
         self.likelihood_ = posterior.likelihood
         self.prior_variance_ = float(posterior.prior_variance)
@@ -229,9 +247,6 @@ class _LaplaceBase(BaseEstimator, metaclass=abc.ABCMeta):
         if classes is not None:
             self.classes_ = classes
         self._store_fitted(posterior)
-        # split-conformal calibration on the held-out rows, if any (_conformal.py);
-        # a refit always drops the previous calibration
-        calibrate_held_out(self, validation, source)
 
     def _linearize_kwargs(self, module, X, device):
         return {}

@@ -110,7 +110,7 @@ class ELLARegressor(_ELLAMixin, LaplaceRegressorMixin):
         Jacobian backend fall back to ``False``. ``True``: the prior variance,
         ``s0^2 (k(x,x) - phi(x) phi(x)^T)`` (full-rank ELLA then equals exact LLA at
         every input; at large ``N`` it overshoots). ``False``: none (the paper's,
-        the default before issue 34).
+        formerly the default).
     trainable_only : bool, default=True
         Linearise only parameters with ``requires_grad=True``.
     device : str or torch.device, default="auto"
