@@ -70,12 +70,15 @@ def _nets(data):
     return out
 
 
-#: Early-stopping loops (ELLA's streamed checks, sampled LLA's Adam) with held-out rows.
+#: Early-stopping loops (ELLA's streamed checks, sampled LLA's Adam) and every subspace
+#: projector, with held-out rows.
 _EXTRA = {
     "ELLARegressor": [("early_stopping", {"early_stopping": True, "search_freq": 20}),
                       ("early_stopping_fixed_prior", {"early_stopping": True, "search_freq": 20,
                                                       "prior_variance": 0.05})],
     "ELLAClassifier": [("early_stopping", {"early_stopping": True, "search_freq": 20})],
+    "SubspaceLaplaceRegressor": [(f"projector_{p}", {"projector": p}) for p in (
+        "lowrank-diag", "subset-magnitude", "subset-diagonal", "subset-swag", "optimal")],
     "SampledLLARegressor": [("adam_early_stopping", {"early_stopping": True, "solver": "adam",
                                                      "max_iter": 200})],
 }
