@@ -20,7 +20,6 @@ out as validation (``docs/hyperparameters.md``).
 from __future__ import annotations
 
 import abc
-import warnings
 from numbers import Integral, Real
 
 import numpy as np
@@ -35,14 +34,15 @@ from sklearn.utils.validation import (
     check_is_fitted,
     validate_data,
 )
-from torch import nn
 
+from ._checks import check_input_width, check_target_scale
 from ._conformal import ConformalClassifierMixin, ConformalRegressorMixin, calibrate_held_out
 from ._core import dask as _dask
+from ._core.hyper import GLM_STRATEGIES, STRATEGIES
 from ._core.likelihoods import Bernoulli, Categorical, Gaussian, point_normals, row_keys
 from ._core.linalg import cholesky
-from ._core.protocol import FitData, holdout_rows, to_batch
-from ._core.utils import resolve_device, torch_seed
+from ._core.protocol import FitData, check_finite_outputs, holdout_rows, to_batch
+from ._core.utils import int_seed, module_dtype, resolve_device, torch_seed
 from ._network.linearized import LinearizedNet
 from ._network.resolve import is_pretrained, resolve_net, skorch_validation_rows
 
@@ -54,26 +54,10 @@ _FLOAT_DTYPES = (np.float64, np.float32)
 #: Fewest training rows from which ``validation_fraction`` rows are held out.
 _MIN_ROWS_FOR_HOLDOUT = 20
 
-#: Training rows (at most, evenly spaced) on which ``fit`` checks that a regression
-#: network's outputs can be predictions of ``y`` (:func:`_check_target_scale`).
-_TARGET_CHECK_ROWS = 1000
-
-#: ``fit`` warns when the network's R^2 on the training rows is below this: its
-#: squared residuals are more than ``1 - _TARGET_CHECK_R2 = 3`` times ``var(y)``, so
-#: predicting the constant ``mean(y)`` would beat it by that factor ...
-_TARGET_CHECK_R2 = -2.0
-#: ... or when it explains almost nothing (R^2 below ``_TARGET_CHECK_WEAK_R2``) while
-#: its outputs vary on a scale ``_TARGET_CHECK_SPREAD`` times (or more) smaller than
-#: ``y`` does (a net trained on standardised targets, fitted against centred raw ones).
-_TARGET_CHECK_WEAK_R2 = 0.1
-_TARGET_CHECK_SPREAD = 10.0
-
 _COMMON_CONSTRAINTS = {
     "net": "no_validation",
     "prior_variance": [Interval(Real, 0, None, closed="neither"), StrOptions({"auto"})],
-    "hyper_strategy": [StrOptions({"auto", "evidence", "validation", "weight_norm"})],
     "validation_fraction": [Interval(Real, 0, 1, closed="neither")],
-    "trainable_only": ["boolean"],
     "device": [str, torch.device],
     "batch_size": [Interval(Integral, 1, None, closed="left")],
     "random_state": ["random_state"],
@@ -87,85 +71,6 @@ def _split_validation(validation_data):
     except (TypeError, ValueError) as exc:
         raise TypeError("validation_data must be a pair (X_val, y_val)") from exc
     return Xv, yv
-
-
-#: Layers that pass a 2-D input's width through to the next one.
-_WIDTH_PRESERVING = (nn.Identity, nn.Dropout, nn.Flatten)
-
-
-def _input_layer(module):
-    """The ``nn.Linear`` that first sees the input, where the architecture says so.
-
-    Followed only through ``nn.Sequential`` chains (and ``sklearn_lla.nets.MLP``,
-    whose forward is its ``layers``): a custom ``forward`` may reshape or extend its
-    input before its first layer, so there the width is not known without running it.
-    """
-    from .nets import MLP
-
-    m = module
-    while True:
-        if isinstance(m, nn.Linear):
-            return m
-        if isinstance(m, MLP) and type(m).forward is MLP.forward:
-            m = m.layers
-        elif isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward:
-            first = next((c for c in m if not isinstance(c, _WIDTH_PRESERVING)), None)
-            if first is None:
-                return None
-            m = first
-        else:
-            return None
-
-
-def _check_input_width(module, X):
-    """Raise a ValueError naming ``X`` when its columns cannot be the network's inputs."""
-    layer = _input_layer(module)
-    if layer is None or len(getattr(X, "shape", ())) != 2 or X.shape[1] == layer.in_features:
-        return
-    w = layer.in_features
-    raise ValueError(
-        f"X has {X.shape[1]} feature(s) but the network's first layer ({layer}) takes {w}: "
-        f"pass X of shape (n_samples, {w}) with the columns the network was trained on "
-        "(the same features, in the same order, after the same preprocessing; in a "
-        "Pipeline, the output of the steps before this estimator)")
-
-
-def _check_target_scale(lin, X, y, estimator):
-    """Warn when a regression network's outputs cannot be predictions of ``y``.
-
-    The linearized Laplace predictive is centred on the network's output, on the
-    scale of the ``y`` given to ``fit``: a net trained on transformed targets (say,
-    standardised) and fitted against raw ``y`` gives a noise variance of the order of
-    ``y``'s squared offset and a meaningless predictive, without any error. Checked on
-    up to ``_TARGET_CHECK_ROWS`` evenly spaced training rows (one forward pass).
-    """
-    n = len(X)
-    rows = np.unique(np.linspace(0, n - 1, min(n, _TARGET_CHECK_ROWS)).astype(np.int64))
-    g = lin.forward(to_batch(X, rows, lin.dtype, lin.device)).double().cpu().numpy()
-    t = y[rows].reshape(len(rows), -1)
-    g = g.reshape(t.shape)
-    var, spread = t.var(axis=0), g.std(axis=0)
-    mse = ((t - g) ** 2).mean(axis=0)
-    for col in np.flatnonzero(var > 0):
-        r2 = 1.0 - mse[col] / var[col]
-        if r2 < _TARGET_CHECK_R2 or (r2 < _TARGET_CHECK_WEAK_R2 and
-                                     _TARGET_CHECK_SPREAD * spread[col] < np.sqrt(var[col])):
-            break
-    else:
-        return
-    which = "" if t.shape[1] == 1 else f" (target {col})"
-    warnings.warn(
-        f"{type(estimator).__name__}.fit: the network's outputs cannot be predictions of y"
-        f"{which}: on {len(rows)} training rows its R^2 is {r2:.3g}, with mean squared "
-        f"residual {mse[col]:.4g} against var(y) = {var[col]:.4g} (outputs: mean "
-        f"{g[:, col].mean():.4g}, std {spread[col]:.4g}; y: mean {t[:, col].mean():.4g}, "
-        f"std {t[:, col].std():.4g}). The Laplace predictive is centred on the network's "
-        "output on y's scale, so noise_variance_ and the predictive std will be meaningless. "
-        "Check that y is on the scale the network was trained on (a net trained on "
-        "standardised targets: wrap the estimator in "
-        "sklearn_lla.compose.TransformedTargetRegressor(..., transformer=StandardScaler())), "
-        "that the network's output is the regression output (not logits or a feature "
-        "layer), and that X is preprocessed as for training", UserWarning, stacklevel=5)
 
 
 class _MeanStd(tuple):
@@ -261,12 +166,46 @@ class _LaplaceBase(BaseEstimator, metaclass=abc.ABCMeta):
         ytr = y_enc if train_idx is None else y_enc[train_idx]
         resolved = resolve_net(self.net, self._task, Xtr, ytr, self._n_net_outputs(ytr, classes),
                                seed, device)
-        _check_input_width(resolved.module, X)
-        example = to_batch(X, slice(0, min(len(X), 8)), _module_dtype(resolved.module), device)
+        lin = self._linearize(resolved, X, device)
+        C = lin.n_outputs(to_batch(X, slice(0, 1), lin.dtype, device))
+        likelihood, classes, ytr = self._likelihood(C, ytr, classes, resolved, pretrained)
+        generator = torch.Generator().manual_seed(seed)
+        kw = dict(batch_size=self.batch_size, verbose=self.verbose)
+        y_full = ytr if train_idx is None else y_enc  # encoded targets of every row of X
+        yt = self._target_tensor(y_full, device)
+        if validation_data is not None:
+            Xv, yv = self._validation_arrays(validation_data, classes, C)
+            validation = FitData(lin, likelihood, Xv, self._target_tensor(yv, device), **kw)
+            source = "validation_data"
+        else:
+            source = "rows held out from training the network" if val_idx is not None else None
+            if val_idx is None and pretrained and not _dask.is_dask(X):  # dask: pass them
+                rows = skorch_validation_rows(resolved.net, X, y_full, self._task,
+                                              module_dtype(resolved.module))
+                if rows is not None:
+                    (train_idx, val_idx), source = rows, "the skorch net's own validation split"
+            validation = (None if val_idx is None
+                          else FitData(lin, likelihood, X, yt, index=val_idx, **kw))
+        data = FitData(lin, likelihood, X, yt, generator=generator, validation=validation,
+                       index=train_idx, **kw)
+        posterior = self._fit_posterior(data, generator)
+        if self._task == "regression" and pretrained:
+            # after the fit: bad rows have been reported there, with their own message
+            check_target_scale(lin, X, y_enc, self)
+        self._publish(resolved.net, lin, C, posterior, source, seed, classes)
+        # split-conformal calibration on the held-out rows, if any (_conformal.py);
+        # a refit always drops the previous calibration
+        calibrate_held_out(self, validation, source)
+
+    def _linearize(self, resolved, X, device):
+        """The :class:`LinearizedNet` of the resolved network, checked against ``X``."""
+        module = resolved.module
+        check_input_width(module, X)
+        example = to_batch(X, slice(0, min(len(X), 8)), module_dtype(module), device)
         try:
-            lin = LinearizedNet(resolved.module, device, resolved.output_transform,
-                                example_input=example, trainable_only=self.trainable_only,
-                                **self._linearize_kwargs(resolved.module, X, device))
+            return LinearizedNet(module, device, resolved.output_transform,
+                                 example_input=example, trainable_only=self.trainable_only,
+                                 **self._linearize_kwargs(module, X, device))
         except (RuntimeError, TypeError, IndexError) as exc:
             # shape mismatches surface from torch as RuntimeErrors
             raise ValueError(
@@ -274,46 +213,30 @@ class _LaplaceBase(BaseEstimator, metaclass=abc.ABCMeta):
                 f"({X.shape[1]} feature(s)): {exc}. Check that X has the columns the "
                 "network was trained on (same features, order and preprocessing)"
             ) from exc
-        C = lin.n_outputs(to_batch(X, slice(0, 1), lin.dtype, device))
-        likelihood, classes, ytr = self._likelihood(C, ytr, classes, resolved, pretrained)
-        generator = torch.Generator().manual_seed(seed)
-        kw = dict(batch_size=self.batch_size, verbose=self.verbose)
-        y_full = ytr if train_idx is None else y_enc  # encoded targets of every row of X
-        yt = self._target_tensor(y_full, device)
-        validation, source = None, None
-        if validation_data is not None:
-            Xv, yv = self._validation_arrays(validation_data, classes, C)
-            validation = FitData(lin, likelihood, Xv, self._target_tensor(yv, device), **kw)
-            source = "validation_data"
-        else:
-            if val_idx is not None:
-                source = "rows held out from training the network"
-            elif pretrained and not _dask.is_dask(X):  # dask: pass validation_data
-                rows = skorch_validation_rows(resolved.net, X, y_full, self._task,
-                                              _module_dtype(resolved.module))
-                if rows is not None:
-                    (train_idx, val_idx), source = rows, "the skorch net's own validation split"
-            if val_idx is not None:
-                validation = FitData(lin, likelihood, X, yt, index=val_idx, **kw)
-        data = FitData(lin, likelihood, X, yt, generator=generator, validation=validation,
-                       index=train_idx, **kw)
+
+    def _fit_posterior(self, data, generator):
+        """Fit the method's posterior on ``data``, then calibrate it on the held-out rows.
+
+        The held-out rows' one use after ``fit``: one scalar (the noise, the scale of
+        a rescalable posterior, or a temperature), the posterior covariance kept;
+        unless the strategy itself chose the hyperparameters on them.
+        """
         posterior = self._make_posterior(data).fit(data)
-        if self._task == "regression" and pretrained:
-            # after the fit: bad rows have been reported there, with their own message
-            _check_target_scale(lin, X, y_enc, self)
-        if validation is not None and posterior.hyper_strategy != "validation":
-            # the one use of held-out rows after fit: calibrate the noise (regression) or
-            # a temperature (classification) on them, keeping the posterior covariance
+        if data.validation is not None and \
+                not STRATEGIES[posterior.hyper_strategy].uses_held_out:
             posterior.calibrate(
-                validation, generator=generator,
+                data.validation, generator=generator,
                 noise=self._task == "regression" and self.noise_variance == "auto",
                 temperature=self._task == "classification" and self.prior_variance == "auto")
-        # -- success: publish the fitted state ------------------------------------
-        self.net_ = resolved.net
+        return posterior
+
+    def _publish(self, net, lin, n_outputs, posterior, source, seed, classes):
+        """Set the fitted attributes (only once everything succeeded: atomic refits)."""
+        self.net_ = net
         self.linearized_net_ = lin
         self.jacobian_backend_ = lin.backend
         self.jacobian_backend_reason_ = lin.backend_reason
-        self.n_outputs_ = C
+        self.n_outputs_ = n_outputs
         self.posterior_ = posterior
         self.likelihood_ = posterior.likelihood
         self.prior_variance_ = float(posterior.prior_variance)
@@ -324,9 +247,6 @@ class _LaplaceBase(BaseEstimator, metaclass=abc.ABCMeta):
         if classes is not None:
             self.classes_ = classes
         self._store_fitted(posterior)
-        # split-conformal calibration on the held-out rows, if any (_conformal.py);
-        # a refit always drops the previous calibration
-        calibrate_held_out(self, validation, source)
 
     def _linearize_kwargs(self, module, X, device):
         return {}
@@ -383,11 +303,7 @@ class _LaplaceBase(BaseEstimator, metaclass=abc.ABCMeta):
             sl = slice(start, min(start + self.batch_size, len(X)))
             x = to_batch(X, sl, lin.dtype, lin.device)
             lp = self.posterior_.predict(x)
-            if not bool(torch.isfinite(lp.mean).all()):
-                raise ValueError(
-                    f"the network produced non-finite outputs (NaN or inf) for rows "
-                    f"{sl.start}..{sl.stop - 1} of X; check the inputs' scale"
-                )
+            check_finite_outputs(lp.mean, f"rows {sl.start}..{sl.stop - 1} of X")
             if not bool(torch.isfinite(lp.cov).all()):
                 raise FloatingPointError(f"non-finite predictive covariance for rows "
                                          f"{sl.start}..{sl.stop - 1} of X")
@@ -404,11 +320,7 @@ class _LaplaceBase(BaseEstimator, metaclass=abc.ABCMeta):
         for start in range(0, len(X), self.batch_size):
             sl = slice(start, min(start + self.batch_size, len(X)))
             g = lin.forward(to_batch(X, sl, lin.dtype, lin.device)).double().cpu()
-            if not bool(torch.isfinite(g).all()):
-                raise ValueError(
-                    f"the network produced non-finite outputs (NaN or inf) for rows "
-                    f"{sl.start}..{sl.stop - 1} of X; check the inputs' scale"
-                )
+            check_finite_outputs(g, f"rows {sl.start}..{sl.stop - 1} of X")
             yield sl, g.numpy()
 
     def _predict_joint(self, X):
@@ -443,13 +355,6 @@ def _encode(y, classes):
     """Indices of labels ``y`` in ``classes`` (all known)."""
     sorter = np.argsort(classes)
     return sorter[np.searchsorted(classes, y, sorter=sorter)].astype(np.int64)
-
-
-def _module_dtype(module):
-    for p in module.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.float32
 
 
 class LaplaceRegressorMixin(RegressorMixin, ConformalRegressorMixin, _LaplaceBase):
@@ -605,11 +510,9 @@ class LaplaceRegressorMixin(RegressorMixin, ConformalRegressorMixin, _LaplaceBas
             raise ValueError(f"n_samples must be a positive integer, got {n_samples!r}")
         X = self._check_X(X)
         if _dask.is_dask(X):  # joint within each block; block i seeded by (seed, i)
-            seed = (random_state if isinstance(random_state, Integral)
-                    else check_random_state(random_state).randint(2**31 - 1))
             tail = ((n_samples,) if self._y_1d else (self.n_outputs_, n_samples))
             return _dask.lazy_apply(self, X, "sample_y", shape_tail=tail, n_samples=n_samples,
-                                    seed=int(seed))
+                                    seed=int_seed(random_state))
         rng = check_random_state(random_state)
         mean, cov = self._predict_joint(X)
         n, C = mean.shape
@@ -799,6 +702,12 @@ class LaplaceClassifierMixin(ClassifierMixin, ConformalClassifierMixin, _Laplace
         proba = self.predict_proba(X)
         return self.classes_[np.argmax(proba, axis=1)]
 
+
+#: Constraints of the estimators that linearise the network (not FMGP).
+LINEARIZED_CONSTRAINTS = {"trainable_only": ["boolean"]}
+
+#: The ``hyper_strategy`` of the GLM-family estimators (exact LLA, ELLA, subspace).
+GLM_STRATEGY_CONSTRAINTS = {"hyper_strategy": [StrOptions(set(GLM_STRATEGIES))]}
 
 #: Parameter constraints shared by every estimator (methods extend them).
 REGRESSOR_CONSTRAINTS = {

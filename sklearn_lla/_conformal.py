@@ -41,11 +41,11 @@ from numbers import Integral, Real
 import numpy as np
 from scipy.special import ndtr
 from sklearn.exceptions import NotFittedError
-from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted
 
 from ._core import dask as _dask
 from ._core.likelihoods import point_normals, row_keys
+from ._core.utils import int_seed
 
 __all__ = [
     "ConformalRegressorMixin",
@@ -626,8 +626,6 @@ class ConformalClassifierMixin:
                                     dtype=bool)
         u = None
         if randomized:
-            seed = (random_state if isinstance(random_state, Integral)
-                    else check_random_state(random_state).randint(2**31 - 1))
             Xv = self._check_X(X)
-            u = _uniforms(np.asarray(Xv, dtype=np.float64), seed)
+            u = _uniforms(np.asarray(Xv, dtype=np.float64), int_seed(random_state))
         return prediction_sets(proba, q, method, randomized, u, allow_empty)

@@ -16,6 +16,8 @@ from sklearn.utils._tags import ClassifierTags, RegressorTags
 
 from ._base import (
     CLASSIFIER_CONSTRAINTS,
+    GLM_STRATEGY_CONSTRAINTS,
+    LINEARIZED_CONSTRAINTS,
     REGRESSOR_CONSTRAINTS,
     LaplaceClassifierMixin,
     LaplaceRegressorMixin,
@@ -30,6 +32,8 @@ class _SubspaceMixin:
     """Subspace Laplace's parameters and posterior, shared by the estimators."""
 
     _subspace_constraints = {
+        **LINEARIZED_CONSTRAINTS,
+        **GLM_STRATEGY_CONSTRAINTS,
         "projector": [StrOptions(set(PROJECTORS))],
         "subspace_dim": [Interval(Integral, 1, None, closed="left"), StrOptions({"auto"})],
         "residual_correction": ["boolean", StrOptions({"auto", "kfac"})],
@@ -47,8 +51,7 @@ class _SubspaceMixin:
                                  subspace_X=self.subspace_X,
                                  swag_learning_rate=self.swag_learning_rate,
                                  swag_n_steps=self.swag_n_steps,
-                                 residual_correction=self.residual_correction,
-                                 fallback="evidence" if regression else "weight_norm")
+                                 residual_correction=self.residual_correction)
 
     def _store_fitted(self, posterior):
         self.subspace_dim_ = int(posterior.features.dim)

@@ -11,6 +11,8 @@ from sklearn.utils._param_validation import Interval, StrOptions
 
 from ._base import (
     CLASSIFIER_CONSTRAINTS,
+    GLM_STRATEGY_CONSTRAINTS,
+    LINEARIZED_CONSTRAINTS,
     REGRESSOR_CONSTRAINTS,
     LaplaceClassifierMixin,
     LaplaceRegressorMixin,
@@ -26,6 +28,8 @@ class _ELLAMixin:
     """ELLA's parameters and posterior, shared by the regressor and the classifier."""
 
     _ella_constraints = {
+        **LINEARIZED_CONSTRAINTS,
+        **GLM_STRATEGY_CONSTRAINTS,
         "n_nystrom": [Interval(Integral, 1, None, closed="left")],
         "n_components": [Interval(Integral, 1, None, closed="left"), StrOptions({"auto"})],
         "early_stopping": ["boolean"],
@@ -41,8 +45,7 @@ class _ELLAMixin:
                             self.prior_variance, noise, hyper=self.hyper_strategy,
                             early_stopping=self.early_stopping,
                             search_freq=self.search_freq, n_iter_no_change=self.n_iter_no_change,
-                            residual_correction=self.residual_correction, label="ELLA",
-                            fallback="evidence" if regression else "weight_norm")
+                            residual_correction=self.residual_correction, label="ELLA")
 
     def _store_fitted(self, posterior):
         self.n_components_ = posterior.features.dim
@@ -107,7 +110,7 @@ class ELLARegressor(_ELLAMixin, LaplaceRegressorMixin):
         Jacobian backend fall back to ``False``. ``True``: the prior variance,
         ``s0^2 (k(x,x) - phi(x) phi(x)^T)`` (full-rank ELLA then equals exact LLA at
         every input; at large ``N`` it overshoots). ``False``: none (the paper's,
-        the default before issue 34).
+        formerly the default).
     trainable_only : bool, default=True
         Linearise only parameters with ``requires_grad=True``.
     device : str or torch.device, default="auto"

@@ -10,6 +10,8 @@ from sklearn.utils._param_validation import StrOptions
 
 from ._base import (
     CLASSIFIER_CONSTRAINTS,
+    GLM_STRATEGY_CONSTRAINTS,
+    LINEARIZED_CONSTRAINTS,
     REGRESSOR_CONSTRAINTS,
     LaplaceClassifierMixin,
     LaplaceRegressorMixin,
@@ -25,6 +27,8 @@ class _LLAMixin:
     """The exact-LLA part shared by :class:`LLARegressor` and :class:`LLAClassifier`."""
 
     _lla_constraints = {
+        **LINEARIZED_CONSTRAINTS,
+        **GLM_STRATEGY_CONSTRAINTS,
         "space": [StrOptions({"auto", "parameter", "function"})],
         "subset_of_weights": [StrOptions({"all", "last_layer"})],
     }
@@ -33,25 +37,21 @@ class _LLAMixin:
         if self.subset_of_weights != "last_layer":
             return {}
         from ._core.protocol import to_batch
+        from ._core.utils import module_dtype
         from ._network.resolve import last_layer_param_names
 
-        example = to_batch(X, slice(0, min(len(X), 8)), next(module.parameters()).dtype, device)
+        example = to_batch(X, slice(0, min(len(X), 8)), module_dtype(module), device)
         return {"param_names": last_layer_param_names(module, example)}
 
     def _make_posterior(self, data):
         regression = data.likelihood.task == "regression"
         noise = self.noise_variance if regression else None
         space = _choose_space(self.space, data.lin.n_params, data.n_samples * data.n_outputs)
-        # the objective of "auto": the evidence for regression; for classification the
-        # weight norm, full network and last layer alike (the evidence of a net that fits
-        # its training labels was measured to wreck calibration: docs/hyperparameters.md)
-        fallback = "evidence" if regression else "weight_norm"
         if space == "function":
-            post = FunctionSpacePosterior(self.prior_variance, noise, self.hyper_strategy,
-                                          fallback=fallback)
+            post = FunctionSpacePosterior(self.prior_variance, noise, self.hyper_strategy)
         else:
             post = GLMPosterior(JacobianFeatures(), self.prior_variance, noise,
-                                hyper=self.hyper_strategy, fallback=fallback)
+                                hyper=self.hyper_strategy)
         post.space = space
         return post
 

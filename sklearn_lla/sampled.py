@@ -16,6 +16,7 @@ from sklearn.utils._param_validation import Interval, StrOptions
 
 from ._base import (
     CLASSIFIER_CONSTRAINTS,
+    LINEARIZED_CONSTRAINTS,
     REGRESSOR_CONSTRAINTS,
     LaplaceClassifierMixin,
     LaplaceRegressorMixin,
@@ -29,6 +30,7 @@ class _SampledMixin:
     """Parameters and posterior shared by the regressor and the classifier."""
 
     _sampled_constraints = {
+        **LINEARIZED_CONSTRAINTS,
         "n_posterior_samples": [Interval(Integral, 1, None, closed="left")],
         "n_em_steps": [Interval(Integral, 0, None, closed="left")],
         "n_em_samples": [Interval(Integral, 1, None, closed="left"), StrOptions({"auto"})],
@@ -41,7 +43,6 @@ class _SampledMixin:
         "n_iter_no_change": [Interval(Integral, 1, None, closed="left")],
         "g_prior": ["boolean"],
         "solver": [StrOptions({"auto", "cg", "adam"})],
-        "validation_fraction": [Interval(Real, 0, 1, closed="neither")],
     }
 
     def _make_posterior(self, data):

@@ -123,6 +123,13 @@ def test_check_estimator_pretrained(estimator, check):
     check(estimator)
 
 
+@REGISTRY
+def test_constraints_are_exactly_the_parameters(entry):
+    """Every constructor parameter is validated, and nothing else is declared."""
+    est = entry.make(None)
+    assert set(type(est)._parameter_constraints) == set(est.get_params(deep=False))
+
+
 # ---------------------------------------------------------------------------------
 # The network is never modified
 # ---------------------------------------------------------------------------------

@@ -8,7 +8,10 @@
   the network on the held-out rows;
 * noise: residuals drawn from ``N(0, v_i + s2)`` with known latent variances ``v_i``: the
   calibrated ``s2`` is the maximum-likelihood value (checked against a fine brute-force
-  grid) and close to the truth.
+  grid) and close to the truth;
+* scale of a rescalable posterior: the closed-form ``c`` equals the answer of the
+  85-point grid (plus 11 refinements) it replaced, to that grid's resolution, and the
+  two-evaluation form :func:`rescaled_nll` gives its NLL.
 """
 
 from __future__ import annotations
@@ -19,7 +22,12 @@ import numpy as np
 import pytest
 import torch
 
-from sklearn_lla._core.calibration import calibrate_noise, calibrate_temperature
+from sklearn_lla._core.calibration import (
+    calibrate_noise,
+    calibrate_scale,
+    calibrate_temperature,
+    rescaled_nll,
+)
 from sklearn_lla._core.likelihoods import Categorical
 
 
@@ -124,3 +132,55 @@ def test_temperature_lower_end_is_a_cap_warned_only_when_it_binds():
     p = Categorical(3).with_temperature(T).predict(z, moderate)
     np.testing.assert_allclose(p, torch.softmax(z, -1), rtol=1e-6)
     assert trace["best_score"] == pytest.approx(net_nll, rel=1e-5)
+
+
+def _rescaled_case(C, seed, shrink):
+    """Held-out residuals, a latent covariance and ``s2`` (``shrink`` scales the residuals)."""
+    g = torch.Generator().manual_seed(seed)
+    n = 300
+    A = torch.randn(n, C, C, dtype=torch.float64, generator=g) * 0.5
+    cov = A @ A.transpose(1, 2)
+    s2 = 0.05
+    sig = cov + s2 * torch.eye(C, dtype=torch.float64)
+    r = torch.linalg.cholesky(sig) @ torch.randn(n, C, 1, dtype=torch.float64, generator=g)
+    mean = torch.randn(n, C, dtype=torch.float64, generator=g)
+    return mean, cov, mean + shrink * r.squeeze(-1), s2
+
+
+def _nll_at_scale(mean, cov, y, s2, c):
+    C = mean.shape[1]
+    sig = c * (cov + s2 * torch.eye(C, dtype=torch.float64))
+    d = torch.distributions.MultivariateNormal(mean, covariance_matrix=sig)
+    return float(-d.log_prob(y).mean())
+
+
+def _old_grid_scale(mean, cov, y, s2):
+    """The grid search the closed form replaced: 85 scales 0.05 decades apart in units of
+    ``c0`` (mean squared residual / s2), then 11 points between the best one's
+    neighbours."""
+    c0 = float(((y - mean) ** 2).mean()) / s2
+    c = np.logspace(-4, 0.2, 85) * c0
+    sc = np.array([_nll_at_scale(mean, cov, y, s2, v) for v in c])
+    i = int(np.argmin(sc))
+    step = np.log(c[1] / c[0])
+    fine = c[i] * np.exp(np.linspace(-step, step, 11))
+    fs = np.array([_nll_at_scale(mean, cov, y, s2, v) for v in fine])
+    return (fine[int(np.argmin(fs))] if fs.min() < sc[i] else c[i]), step / 5
+
+
+@pytest.mark.parametrize("C, shrink", [(1, 1.0), (1, 0.3), (3, 1.0), (3, 2.0)])
+def test_closed_form_scale_equals_the_grid_to_its_resolution(C, shrink):
+    mean, cov, y, s2 = _rescaled_case(C, seed=C, shrink=shrink)
+    c, trace = calibrate_scale(mean, cov, y, 0.7, s2)
+    grid_c, fine_step = _old_grid_scale(mean, cov, y, s2)
+    # the refined grid is 0.01 decades apart: its answer is within half a step
+    assert abs(math.log(c / grid_c)) <= 0.5 * fine_step + 1e-12
+    # and the closed form is the minimiser: no grid point scores better
+    best = _nll_at_scale(mean, cov, y, s2, c)
+    assert trace["best_score"] == pytest.approx(best, rel=1e-10)
+    assert best <= _nll_at_scale(mean, cov, y, s2, grid_c) + 1e-12
+    assert trace["prior_variance"] == pytest.approx(0.7 * c, rel=1e-14)
+    assert trace["noise_variance"] == pytest.approx(s2 * c, rel=1e-14)
+    # the two-evaluation form gives the same minimum from the NLL alone
+    assert rescaled_nll(lambda v: _nll_at_scale(mean, cov, y, s2, v), C) == pytest.approx(
+        best, rel=1e-9)

@@ -197,8 +197,8 @@ def test_em_noise_variance_and_g_prior(reg_data, reg_net):
     cal = est_v.hyper_trace_["calibration"]
     assert est_v.hyper_strategy_ == "em" and est_v.hyper_trace_["noise_source"] == "em"
     assert cal["method"] == "exact_rescaling" and cal["n_rows"] == len(yv)
-    c = cal["factor"]
-    np.testing.assert_allclose(cal["noise_variance_before"], plain.noise_variance_, rtol=1e-12)
+    c = cal["scale"]
+    np.testing.assert_allclose(cal["anchor"][1], plain.noise_variance_, rtol=1e-12)
     np.testing.assert_allclose(est_v.noise_variance_, c * plain.noise_variance_, rtol=1e-12)
     np.testing.assert_allclose(est_v.prior_variance_, c * plain.prior_variance_, rtol=1e-12)
     Xq = _queries(reg_data)

@@ -30,7 +30,7 @@ from sklearn.base import is_classifier, is_regressor
 from torch import nn
 
 from sklearn_lla import LLAClassifier, LLARegressor
-from sklearn_lla._core.hyper import Evidence
+from sklearn_lla._core.hyper import Evidence, HyperContext
 from sklearn_lla._core.likelihoods import Categorical, Gaussian
 from sklearn_lla._core.protocol import FitData
 from sklearn_lla._network.curvature import KFAC, full_ggn, ggn_diagonal
@@ -252,8 +252,9 @@ def test_prior_auto_is_on_the_kfac_ridge(reg_data, reg_net, dense_ref):
     kfac_eig = KFAC(lin, fd).eigvals()
 
     def kfac_prior(s2):
-        return Evidence().select("auto", s2, eigvals=kfac_eig, theta_sq_norm=ref.theta_sq,
-                                 data_fit=ref.rss, n_obs=ref.N, n_params=ref.P).prior_variance
+        return Evidence().select(HyperContext("auto", s2, eigvals=kfac_eig,
+                                              theta_sq_norm=ref.theta_sq, data_fit=ref.rss,
+                                              n_obs=ref.N, n_params=ref.P)).prior_variance
 
     s2 = est.noise_variance_
     assert est.prior_variance_ == pytest.approx(kfac_prior(s2), rel=1e-6)

@@ -1,27 +1,26 @@
-"""Calibration on held-out rows that keeps the posterior: noise variance and temperature.
+"""Calibration on held-out rows that keeps the posterior: one scalar, by held-out NLL.
 
-Issue 19's rule: a criterion scored on held-out rows may choose between candidates
-only if it cannot be won by deleting the posterior. Both calibrations here keep the
-latent covariance ``S(x)`` the posterior produced and move one scalar:
+A criterion scored on held-out rows may choose between candidates only if it cannot
+be won by deleting the posterior. Each calibration here keeps the shape of the latent
+covariance ``S(x)`` the posterior produced and moves one scalar:
 
-* regression, the **noise variance** ``s2`` of the predictive ``N(g(x), S(x) + s2 I)``
-  (the part the network's residuals on new data measure and training rows cannot:
-  a net that fitted its training rows has residuals there far below those on new
-  data);
+* regression, a posterior that is exactly rescalable (:attr:`Posterior.rescalable
+  <sklearn_lla._core.protocol.Posterior.rescalable>`: the posterior at ``(c s0^2, c
+  s2)`` is ``c`` times the one at ``(s0^2, s2)``), the **scale** ``c``: the predictive
+  is ``N(g(x), c (S(x) + s2 I))`` and its held-out maximum likelihood is closed form,
+  ``c = (1 / (n C)) sum_i r_i^T (S_i + s2 I)^-1 r_i`` (:func:`calibrate_scale`);
+* regression otherwise, the **noise variance** ``s2`` of ``N(g(x), S(x) + s2 I)``
+  (:func:`calibrate_noise`), or under a fixed prior variance, for a posterior that
+  refits for each candidate noise, ``s2`` with the posterior refitted
+  (:func:`calibrate_noise_refit`);
 * classification, a **temperature** ``T`` of the latent, ``f / T`` with
   ``f ~ N(g(x), S(x))`` (temperature scaling, Guo et al. 2017, applied to the whole
-  Laplace predictive: the ratio of posterior spread to logit scale is kept, so the
-  posterior's effect away from the data survives). A temperature below 1 takes back
-  spread without scaling any logit up: per point it is raised to the floor
-  ``sqrt(1 - pi min_c v_c / 8)`` where every logit's probit scale is back to 1
-  (:func:`~sklearn_lla._core.likelihoods.sharpening_floor`), so a point the posterior
-  is sure of keeps the network's own probabilities.
+  Laplace predictive). A temperature below 1 takes back spread without scaling any
+  logit up: per point it is raised to the floor ``sqrt(1 - pi min_c v_c / 8)``
+  (:func:`~sklearn_lla._core.likelihoods.sharpening_floor`).
 
-Each is the minimiser of the held-out NLL over a bounded interval of ``log s2`` /
-``log T`` (scipy's bounded Brent search on a smooth 1-D function), reported with a
-:class:`~sklearn_lla._core.hyper.HyperparameterWarning` when it ends at a bound (the
-temperature: at its upper bound; its lower end is the cap above, recorded in the trace,
-and warns only where the held-out NLL there is still clearly above the network's own).
+The searched ones minimise the held-out NLL over a bounded interval and report a
+:class:`~sklearn_lla._core.hyper.HyperparameterWarning` when they end at a bound.
 """
 
 from __future__ import annotations
@@ -33,11 +32,12 @@ import numpy as np
 import torch
 from scipy.optimize import minimize_scalar
 
-from .hyper import HyperparameterWarning
+from .hyper import HyperparameterWarning, _finite_scores
 from .likelihoods import sharpening_floor
 
-__all__ = ["CALIBRATION_ROWS", "held_out_predictive", "calibrate_noise",
-           "calibrate_temperature", "gaussian_nll_curve"]
+__all__ = ["CALIBRATION_ROWS", "held_out_predictive", "calibrate_scale", "calibrate_noise",
+           "calibrate_noise_refit", "calibrate_temperature", "gaussian_nll_curve",
+           "rescaled_nll"]
 
 #: Held-out rows (at most) read by a calibration; beyond, a random subset this large
 #: (a 1-D scalar is estimated: 20,000 rows pin it to well under 1 % relative error).
@@ -46,6 +46,14 @@ CALIBRATION_ROWS = 20_000
 #: Search interval of the noise variance, relative to the network's mean squared
 #: residual on the held-out rows.
 NOISE_RANGE = (1e-6, 1e2)
+
+#: Smallest scale ``c`` of a rescalable posterior, in units of ``c0 = (mean squared
+#: held-out residual) / s2``, the largest the held-out rows can call for.
+MIN_SCALE = 1e-4
+
+#: Noise candidates of :func:`calibrate_noise_refit`, relative to the network's mean
+#: squared held-out residual.
+NOISE_REFIT_GRID = np.logspace(-3, 1, 41)
 
 #: Search interval of the temperature.
 TEMPERATURE_RANGE = (1e-2, 1e2)
@@ -71,8 +79,9 @@ def held_out_predictive(posterior, validation, *, max_rows=CALIBRATION_ROWS,
         A fitted posterior (its :meth:`predict` is called per batch).
     validation : FitData
         The held-out rows.
-    max_rows : int, default=CALIBRATION_ROWS
-        Rows read at most: a random subset (from ``generator``) beyond.
+    max_rows : int or None, default=CALIBRATION_ROWS
+        Rows read at most: a random subset (from ``generator``) beyond; ``None``:
+        every row.
     generator : torch.Generator, optional
         Random source of the subset.
 
@@ -84,7 +93,7 @@ def held_out_predictive(posterior, validation, *, max_rows=CALIBRATION_ROWS,
         The targets of those rows.
     """
     n = validation.n_samples
-    if n > max_rows:
+    if max_rows is not None and n > max_rows:
         gen = generator if generator is not None else torch.Generator().manual_seed(0)
         rows = np.sort(torch.randperm(n, generator=gen)[:max_rows].numpy())
     else:
@@ -103,6 +112,152 @@ def held_out_predictive(posterior, validation, *, max_rows=CALIBRATION_ROWS,
         raise FloatingPointError("the predictive is not finite on the held-out rows; check "
                                  "the network's outputs on them")
     return mean, cov, y
+
+
+def calibrate_scale(mean, cov, y, prior_variance, noise_variance, *, warn=True):
+    """The held-out maximum-likelihood scale ``c`` of a rescalable posterior.
+
+    The predictive at ``(c s0^2, c s2)`` is ``N(g, c Sigma_i)``, ``Sigma_i = S_i + s2 I``,
+    whose mean held-out NLL ``A + (C / 2) log c + q / (2 c)``,
+    ``q = mean_i r_i^T Sigma_i^-1 r_i``, is minimal at ``c = q / C``. Since
+    ``S_i >= 0``, ``c <= c0``, the mean squared residual (at least 1e-12) over ``s2``;
+    it is floored at :data:`MIN_SCALE` ``c0`` (and warns there: the latent variance alone
+    over-explains the held-out residuals).
+
+    Parameters
+    ----------
+    mean : Tensor of shape (n, C)
+    cov : Tensor of shape (n, C, C)
+        The latent covariance at ``(s0^2, s2)``.
+    y : Tensor
+        The targets (reshaped to ``mean``'s shape).
+    prior_variance, noise_variance : float
+        The pair ``(s0^2, s2)`` that is rescaled.
+    warn : bool, default=True
+        Warn at the floor.
+
+    Returns
+    -------
+    c : float
+    trace : dict
+    """
+    s2 = float(noise_variance)
+    n, C = mean.shape
+    r = y.reshape(mean.shape).double() - mean
+    mse = max(float((r * r).mean()), 1e-12)
+    sig = cov + s2 * torch.eye(C, dtype=cov.dtype)
+    L = torch.linalg.cholesky(sig)
+    z = torch.linalg.solve_triangular(L, r.unsqueeze(-1), upper=False).squeeze(-1)
+    q = (z * z).sum(1)
+    logdet = 2.0 * torch.log(torch.diagonal(L, dim1=1, dim2=2)).sum(1)
+    c = float(q.mean()) / C
+    floor = MIN_SCALE * mse / max(s2, 1e-300)
+    if c < floor:
+        if warn:
+            warnings.warn(
+                f"noise_variance_ and prior_variance_ are the objective's pair scaled by the "
+                f"lowest allowed factor: the held-out rows call for a scale below {MIN_SCALE:g} "
+                "times the largest their residuals allow, as the posterior's latent variance "
+                "alone over-explains them. Check that the held-out rows come from the training "
+                "data's distribution and that their targets are on the scale of y; otherwise "
+                "pass a prior_variance below prior_variance_",
+                HyperparameterWarning, stacklevel=4)
+        c = floor
+    nll = float(0.5 * (logdet + C * math.log(2 * math.pi * c) + q / c).mean())
+    trace = {"method": "exact_rescaling", "scale": c, "best_score": nll,
+             "mse_held_out": mse, "n_rows": int(n), "anchor": (float(prior_variance), s2),
+             "prior_variance": float(prior_variance) * c, "noise_variance": s2 * c}
+    return c, trace
+
+
+def rescaled_nll(nll_at, n_outputs):
+    """The held-out NLL of a rescalable posterior at its best scale, from two of its values.
+
+    As in :func:`calibrate_scale`, the mean NLL at scale ``c`` is
+    ``A + (C / 2) log c + q / (2 c)``: its values at ``c = 1`` and ``c = 2`` give
+    ``q = 4 (nll(1) - nll(2) + (C / 2) log 2)`` and the minimum
+    ``nll(1) - q / 2 + (C / 2) (log(q / C) + 1)`` (for a method that scores candidate
+    pairs without forming the latent covariance, e.g. at ELLA's early-stopping checks).
+
+    Parameters
+    ----------
+    nll_at : callable
+        ``c -> mean held-out NLL`` of the posterior at ``(c s0^2, c s2)``.
+    n_outputs : int
+        ``C``.
+
+    Returns
+    -------
+    float
+    """
+    C = n_outputs
+    one, two = nll_at(1.0), nll_at(2.0)
+    q = 4.0 * (one - two + 0.5 * C * math.log(2.0))
+    if not (math.isfinite(q) and q > 0):
+        return math.inf if not math.isfinite(one) else one
+    return one - 0.5 * q + 0.5 * C * (math.log(q / C) + 1.0)
+
+
+def _refine(values, scores, i, score):
+    """Re-score 11 points between the neighbours of ``values[i]`` (log spacing of the
+    grid) and return the arrays with the better one appended (or unchanged), and its index."""
+    step = np.log(values[1] / values[0])
+    fine = values[i] * np.exp(np.linspace(-step, step, 11))
+    fs = _finite_scores(score(fine))
+    j = int(np.argmin(fs))
+    if fs[j] < scores[i]:
+        return np.concatenate([values, fine]), np.concatenate([scores, fs]), len(scores) + j
+    return values, scores, i
+
+
+def calibrate_noise_refit(score, prior_variance, base_noise, *, warn=True):
+    """The noise variance under a fixed prior variance, the posterior refitted per candidate.
+
+    A log grid of :data:`NOISE_REFIT_GRID` times ``base_noise``, refined 10-fold
+    around its best point.
+
+    Parameters
+    ----------
+    score : callable
+        ``score(s0_array, s2_array) -> ndarray`` of held-out NLL per *pair*.
+    prior_variance : float
+        The fixed ``s0^2``.
+    base_noise : float
+        The network's mean squared held-out residual.
+    warn : bool, default=True
+        Warn when the optimum sits on an edge of the grid.
+
+    Returns
+    -------
+    s2 : float
+    trace : dict
+    """
+    s0 = float(prior_variance)
+    s2 = base_noise * NOISE_REFIT_GRID
+
+    def by_noise(v):
+        return score(np.full(len(v), s0), v)
+
+    sc = _finite_scores(by_noise(s2))
+    if not np.isfinite(sc).any():
+        raise FloatingPointError("the held-out NLL is not finite for any noise variance")
+    i = int(np.argmin(sc))
+    at_edge = i in (0, len(s2) - 1)
+    if not at_edge:
+        s2, sc, i = _refine(s2, sc, i, by_noise)
+    if at_edge and warn:
+        where = "lower" if i == 0 else "upper"
+        msg = (f"noise_variance_, calibrated on the held-out rows, is at the {where} edge "
+               f"of its grid ({s2[i]:.3g}, {NOISE_REFIT_GRID[0 if i == 0 else -1]:g} x the "
+               "network's mean squared residual there)")
+        msg += ("; the posterior's latent variance alone over-explains the held-out "
+                "residuals: pass a prior_variance below prior_variance_ if the intervals "
+                "are too wide" if i == 0 else
+                "; check that the held-out targets are on the scale of y")
+        warnings.warn(msg, HyperparameterWarning, stacklevel=4)
+    trace = {"prior_variance": np.full(len(s2), s0), "noise_variance": s2, "score": sc,
+             "best_score": float(sc[i]), "mse_held_out": float(base_noise), "scale": None}
+    return float(s2[i]), trace
 
 
 def _bounded_log_search(f, lo, hi, what):
@@ -293,8 +448,7 @@ def calibrate_temperature(likelihood, mean, cov, y, *, eps=None, warn=True):
     # Kept only where it helps out of sample: a temperature fitted on the other folds
     # must beat T = 1 on each held-out fold, summed over CALIBRATION_FOLDS folds (with
     # few held-out errors the NLL's minimiser is driven by the correctly classified
-    # rows alone and does not generalise: breast cancer, 114 rows, chose T = 0.01 and
-    # test NLL went from 0.108 to 0.141).
+    # rows alone and does not generalise; docs/hyperparameters.md).
     folds = min(CALIBRATION_FOLDS, n)
     oof_fit = oof_one = 0.0
     for k in range(folds):

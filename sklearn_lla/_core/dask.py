@@ -33,6 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from .utils import cast_rows
+
 __all__ = ["PartitionError", "is_dask", "validate_X", "materialize", "partition_reduce",
            "stream_batches", "lazy_apply", "block_seed", "row_bounds", "read_rows"]
 
@@ -132,10 +134,10 @@ def validate_X(est, X, *, reset):
     return A
 
 
-def _as_numpy(block, np_dtype, partition, start, stop):
+def _as_numpy(block, dtype, partition, start, stop):
     """A block in the network's dtype, checked finite (the error names the partition)."""
-    with np.errstate(over="ignore"):
-        arr = np.array(block, dtype=np_dtype, copy=True)
+    arr = cast_rows(block, dtype)
+    np_dtype = arr.dtype
     if not np.isfinite(arr).all():
         bad = int(np.flatnonzero(~np.isfinite(arr).all(axis=tuple(range(1, arr.ndim))))[0])
         raise PartitionError(
@@ -145,20 +147,14 @@ def _as_numpy(block, np_dtype, partition, start, stop):
     return arr
 
 
-def _np_dtype(dtype):
-    return torch.empty((), dtype=dtype).numpy().dtype
-
-
 def read_rows(X, rows, dtype, device):
     """Rows ``rows`` (sorted int array) of a dask ``X`` as a tensor; one compute.
 
     Only the partitions holding those rows are read; a non-finite value is reported
     with its partition.
     """
-    block = np.asarray(X[rows].compute())
-    np_dtype = _np_dtype(dtype)
-    with np.errstate(over="ignore"):
-        arr = np.array(block, dtype=np_dtype, copy=True)
+    arr = cast_rows(np.asarray(X[rows].compute()), dtype)
+    np_dtype = arr.dtype
     finite = np.isfinite(arr).all(axis=1)
     if not finite.all():
         row = int(rows[np.flatnonzero(~finite)[0]])
@@ -178,7 +174,7 @@ def _partition_task(fn, payload, block, y, local, partition, start, stop, batch_
         block = np.asarray(block)
         if local is not None:
             block = block[local]
-        x_all = torch.from_numpy(_as_numpy(block, _np_dtype(dtype), partition, start, stop))
+        x_all = torch.from_numpy(_as_numpy(block, dtype, partition, start, stop))
         y_all = torch.from_numpy(y).to(device)
 
         def batches():
@@ -264,7 +260,7 @@ def stream_batches(data, batch_size):
     fetched in the background.
     """
     X, index = data.X, data.index
-    np_dtype = _np_dtype(data.dtype)
+    dtype = data.dtype
     jobs = []
     for i, (a, b) in enumerate(row_bounds(X)):
         if index is None:
@@ -281,7 +277,7 @@ def stream_batches(data, batch_size):
         i, a, b, _, _ = jobs[j]
         if i in cache:
             return cache[i]
-        return _as_numpy(np.asarray(X.blocks[i].compute()), np_dtype, i, a, b)
+        return _as_numpy(np.asarray(X.blocks[i].compute()), dtype, i, a, b)
 
     try:
         pending = pool.submit(fetch, 0) if jobs else None

@@ -1,9 +1,16 @@
 """Hyperparameter strategies: how ``"auto"`` prior and noise variances are chosen.
 
-Every strategy is a small object with a ``name`` and a ``select`` method returning a
-:class:`HyperResult` (the chosen ``prior_variance`` / ``noise_variance``, and a
-``trace`` of the values tried and their scores). The estimator stores the name in
-``hyper_strategy_`` and the trace in ``hyper_trace_``.
+The rule: the prior variance comes from the method's own objective, never from
+held-out rows; rows the network did not fit calibrate one scalar afterwards
+(:mod:`sklearn_lla._core.calibration`). Held-out NLL in distribution cannot see
+epistemic uncertainty and is won by deleting the posterior, so the joint held-out
+search (``validation``) runs only when asked for by name, and warns when it does.
+
+Every strategy is an object with a ``name`` and ``select(context) -> HyperResult``;
+the :class:`HyperContext` carries what any of them reads. :data:`OBJECTIVE` maps
+(method family, task) to the objective behind ``hyper_strategy="auto"`` and
+:data:`STRATEGIES` maps a name to its class: :func:`resolve` and :func:`select` are the
+one place a strategy is chosen by name.
 
 =====================  =============================================================
 strategy               criterion
@@ -13,38 +20,26 @@ strategy               criterion
                        closed form over the GGN eigenvalues, maximised by L-BFGS-B
                        in log space (warns at a bound or without convergence)
 ``validation``         validation NLL on a log grid (the raw-network limit at its
-                       floor), on data the network did not fit; only the GLM
-                       eigenvalues change between candidates (warns at an edge)
+                       floor), on data the network did not fit
 ``weight_norm``        ``s0^2 = ||theta_hat||^2 / P``: the evidence of the weights
-                       alone (and the subspace evidence as K / P -> 0); the fallback
-                       for full-network classification without held-out data
-``em``                 the sampled-LLA EM updates of the prior precision
+                       alone (and the subspace evidence as K / P -> 0)
+``em``                 the EM updates of the prior precision (sampled LLA)
 ``variational``        learned with the variational energy by the optimisation loop
 =====================  =============================================================
-
-What ``"auto"`` means (``docs/hyperparameters.md``): the prior variance always comes
-from the method's own objective (``evidence``, ``weight_norm``, ``em``,
-``variational``), never from held-out rows, because held-out NLL in distribution cannot
-see epistemic uncertainty and is won by deleting the posterior (a prior variance at the
-floor of a grid). Held-out rows, when there are any, calibrate one scalar afterwards
-that keeps the posterior covariance: for the regression GLM methods one scale ``c`` of
-the evidence's pair, ``(c s0^2, c s2)`` (:class:`HeldOutNoise`; the noise variance
-alone under a fixed prior), the additive noise variance otherwise
-(:mod:`sklearn_lla._core.calibration`), or a classification temperature.
-``validation`` (the joint grid) runs only when asked for by name, and warns, with the
-next step, when it deletes the posterior.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import minimize
 
 __all__ = [
+    "HyperContext",
     "HyperResult",
     "HyperparameterWarning",
     "Fixed",
@@ -53,10 +48,11 @@ __all__ = [
     "WeightNorm",
     "EM",
     "VariationalEnergy",
-    "HeldOutNoise",
+    "OBJECTIVE",
+    "STRATEGIES",
     "glm_log_evidence",
-    "resolve_strategy",
-    "select_from_spectrum",
+    "resolve",
+    "select",
 ]
 
 
@@ -64,9 +60,9 @@ class HyperparameterWarning(UserWarning):
     """An ``"auto"`` hyperparameter ended at the edge of its search range."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class HyperResult:
-    """Outcome of a hyperparameter strategy.
+    """Outcome of a hyperparameter strategy (never edited after it is returned).
 
     Attributes
     ----------
@@ -85,16 +81,104 @@ class HyperResult:
     trace: dict = field(default_factory=dict)
 
 
-class Fixed:
+@dataclass(frozen=True)
+class HyperContext:
+    """What a strategy may read: the settings and the method's statistics.
+
+    Attributes
+    ----------
+    prior_variance, noise_variance : float, "auto" or None
+        The settings (``noise_variance=None``: classification). For ``fixed`` and
+        ``variational`` the values in use.
+    eigvals : ndarray or None
+        Eigenvalues of the (unit-noise) GGN in the posterior's feature space.
+    theta_sq_norm : float
+        ``||theta_hat||^2``.
+    data_fit : float
+        Residual sum of squares (regression) or log likelihood (classification).
+    n_obs : int
+        Scalar observations (regression).
+    n_params : int
+        Parameters (the weight norm ``||theta||^2 / P``).
+    n_outside : int
+        Parameter directions outside the feature space (:func:`glm_log_evidence`).
+    prior_scale : float
+        The prior precision's weight ``n_seen / N`` during early stopping: the
+        evidence is that of the ``n_seen`` rows seen, at prior ``s0^2 / prior_scale``.
+    score : callable or None
+        ``score(s0_array, s2_array) -> ndarray (len(s0), len(s2))``: held-out NLL.
+    base_prior, base_noise : float or None
+        Scales of the held-out grids.
+    scan : callable or None
+        A method's own held-out search, ``scan(grid) -> HyperResult``, run by
+        ``validation`` instead of scoring the grid.
+    em_step : callable or None
+        One EM update ``(s0, s2) -> (s0, s2, info)`` (updating the ``"auto"`` ones).
+    start : tuple or None
+        ``(s0^2, s2)`` an iterative strategy starts from.
+    noise_update : callable or None
+        ``s0 -> HyperResult``: the method's fit of an ``"auto"`` noise under a given
+        prior (``weight_norm``; sampled LLA's EM noise update).
+    history : dict or None
+        The trace of an optimisation loop that produced the values (kept).
+    warn : bool
+        Warn at the edge of a search range.
+    """
+
+    prior_variance: float | str = "auto"
+    noise_variance: float | str | None = None
+    eigvals: np.ndarray | None = None
+    theta_sq_norm: float = 0.0
+    data_fit: float = 0.0
+    n_obs: int = 0
+    n_params: int = 1
+    n_outside: int = 0
+    prior_scale: float = 1.0
+    score: Callable | None = None
+    base_prior: float | None = None
+    base_noise: float | None = None
+    scan: Callable | None = None
+    em_step: Callable | None = None
+    start: tuple | None = None
+    noise_update: Callable | None = None
+    history: dict | None = None
+    warn: bool = True
+
+    @property
+    def evidence_kwargs(self):
+        """The keyword arguments of :func:`glm_log_evidence`."""
+        return dict(eigvals=np.clip(np.asarray(self.eigvals, dtype=np.float64), 0.0, None),
+                    theta_sq_norm=self.theta_sq_norm, data_fit=self.data_fit,
+                    n_obs=self.n_obs, n_outside=self.n_outside)
+
+
+def _value(v):
+    """A given variance as a float (``None`` stays ``None``)."""
+    return None if v is None else float(v)
+
+
+class _Strategy:
+    """Base of the strategies: what a method must provide for one to run."""
+
+    name = ""
+    #: Whether the strategy reads the GGN spectrum (else one factor of the posterior).
+    needs_spectrum = False
+    #: Whether the strategy scores rows the network did not fit (then nothing is
+    #: calibrated on them afterwards).
+    uses_held_out = False
+    #: Whether the strategy iterates the linear model's mode (EM's M-step).
+    needs_mode = False
+
+
+class Fixed(_Strategy):
     """No search: both hyperparameters are given."""
 
     name = "fixed"
 
-    def select(self, prior_variance, noise_variance):
+    def select(self, ctx):
         """Return the given values as a :class:`HyperResult`."""
-        return HyperResult(float(prior_variance),
-                           None if noise_variance is None else float(noise_variance),
-                           self.name, {})
+        return HyperResult(float(ctx.prior_variance), _value(ctx.noise_variance), self.name,
+                           dict(ctx.history or {}))
 
 
 def glm_log_evidence(prior_variance, noise_variance, *, eigvals, theta_sq_norm, data_fit,
@@ -140,7 +224,7 @@ def glm_log_evidence(prior_variance, noise_variance, *, eigvals, theta_sq_norm, 
             - 0.5 * n_outside * math.log(prior_variance))
 
 
-class Evidence:
+class Evidence(_Strategy):
     """Maximise the closed-form Laplace evidence (:func:`glm_log_evidence`).
 
     Parameters
@@ -150,38 +234,39 @@ class Evidence:
     """
 
     name = "evidence"
+    needs_spectrum = True
 
     def __init__(self, bounds=(1e-12, 1e12)):
         self.bounds = bounds
 
-    def select(self, prior_variance, noise_variance, *, eigvals, theta_sq_norm, data_fit,
-               n_obs=0, n_params=1, n_outside=0):
-        """Return the evidence-optimal ``"auto"`` hyperparameters.
+    def select(self, ctx):
+        """Return the evidence-optimal ``"auto"`` hyperparameters of ``ctx``.
+
+        The evidence is that of the rows seen, at prior ``s0^2 / ctx.prior_scale``; the
+        returned prior variance is its optimum times ``ctx.prior_scale``.
 
         Parameters
         ----------
-        prior_variance, noise_variance : float or "auto"
-            ``noise_variance=None`` for classification.
-        eigvals, theta_sq_norm, data_fit, n_obs, n_outside
-            As in :func:`glm_log_evidence`.
-        n_params : int
-            Number of parameters (for the starting value ``||theta||^2 / P``).
+        ctx : HyperContext
+            ``eigvals``, ``theta_sq_norm``, ``data_fit``, ``n_obs``, ``n_outside``,
+            ``n_params`` (the start ``||theta||^2 / P``) and ``prior_scale``.
 
         Returns
         -------
         HyperResult
         """
-        e = np.clip(np.asarray(eigvals, dtype=np.float64), 0.0, None)
-        regression = noise_variance is not None
-        fit_prior = prior_variance == "auto"
-        fit_noise = regression and noise_variance == "auto"
-        s0 = max(theta_sq_norm / max(n_params, 1), 1e-8) if fit_prior else float(prior_variance)
+        kw = ctx.evidence_kwargs
+        e, theta_sq_norm, data_fit = kw["eigvals"], ctx.theta_sq_norm, ctx.data_fit
+        n_obs, n_outside = ctx.n_obs, ctx.n_outside
+        regression = ctx.noise_variance is not None
+        fit_prior = ctx.prior_variance == "auto"
+        fit_noise = regression and ctx.noise_variance == "auto"
+        s0 = (max(theta_sq_norm / max(ctx.n_params, 1), 1e-8) if fit_prior
+              else float(ctx.prior_variance) / ctx.prior_scale)
         if regression:
-            s2 = max(data_fit / max(n_obs, 1), 1e-10) if fit_noise else float(noise_variance)
+            s2 = max(data_fit / max(n_obs, 1), 1e-10) if fit_noise else float(ctx.noise_variance)
         else:
             s2 = None
-        kw = dict(eigvals=e, theta_sq_norm=theta_sq_norm, data_fit=data_fit, n_obs=n_obs,
-                  n_outside=n_outside)
 
         def unpack(u):
             a, b, i = s0, s2, 0
@@ -209,48 +294,47 @@ class Evidence:
 
         u0 = ([math.log(s0)] if fit_prior else []) + ([math.log(s2)] if fit_noise else [])
         if not u0:
-            return Fixed().select(s0, s2)
+            return HyperResult(s0 * ctx.prior_scale, s2, Fixed.name, {})
         lo, hi = math.log(self.bounds[0]), math.log(self.bounds[1])
         res = minimize(negobj, np.asarray(u0), jac=True, method="L-BFGS-B",
                        bounds=[(lo, hi)] * len(u0))
         if not res.success:
             warnings.warn(f"the evidence optimisation did not converge ({res.message})",
-                          HyperparameterWarning, stacklevel=3)
+                          HyperparameterWarning, stacklevel=4)
         if np.any(np.isclose(res.x, lo, atol=1e-6)) or np.any(np.isclose(res.x, hi, atol=1e-6)):
             warnings.warn("an evidence-optimal hyperparameter sits at the bound "
                           f"{self.bounds} of its search range", HyperparameterWarning,
-                          stacklevel=3)
+                          stacklevel=4)
         a, b = unpack(res.x)
-        arr = np.asarray(tried, dtype=object)
         trace = {"prior_variance": np.asarray([t[0] for t in tried], dtype=float),
                  "noise_variance": (np.asarray([t[1] for t in tried], dtype=float)
                                     if regression else None),
                  "score": np.asarray(scores), "log_evidence": float(glm_log_evidence(a, b, **kw)),
-                 "n_evaluations": len(arr)}
-        return HyperResult(a, b, self.name, trace)
+                 "n_evaluations": len(tried)}
+        return HyperResult(a * ctx.prior_scale, b, self.name, trace)
 
 
-class WeightNorm:
+class WeightNorm(_Strategy):
     """``prior_variance = ||theta_hat||^2 / P``, the prior's own maximum likelihood.
 
-    Measured on scikit-learn's bundled classification sets with skorch nets that
-    (as usual) fit their training data almost perfectly, the full-network Laplace
-    evidence chose prior variances 30-200 times this value and made the predictive
-    far less calibrated than the network (``docs/calibration.md``); this value kept
-    or improved calibration. The noise variance is not set here.
+    The noise variance is not set here: a given one is kept, and an ``"auto"`` one is
+    fitted by the method's ``ctx.noise_update`` under this prior.
     """
 
     name = "weight_norm"
 
-    def select(self, prior_variance, noise_variance, *, theta_sq_norm, n_params):
+    def select(self, ctx):
         """Return ``||theta||^2 / P`` for an ``"auto"`` prior variance."""
-        s0 = (max(theta_sq_norm / max(n_params, 1), 1e-12) if prior_variance == "auto"
-              else float(prior_variance))
-        return HyperResult(s0, None if noise_variance is None else float(noise_variance),
-                           self.name, {"prior_variance": np.array([s0])})
+        s0 = (max(ctx.theta_sq_norm / max(ctx.n_params, 1), 1e-12)
+              if ctx.prior_variance == "auto" else float(ctx.prior_variance))
+        if ctx.noise_variance == "auto" and ctx.noise_update is not None:
+            noise = ctx.noise_update(s0)
+            return HyperResult(s0, noise.noise_variance, self.name, dict(noise.trace))
+        return HyperResult(s0, _value(ctx.noise_variance), self.name,
+                           {**(ctx.history or {}), "prior_variance": np.array([s0])})
 
 
-class ValidationGrid:
+class ValidationGrid(_Strategy):
     """Minimise validation NLL over a log grid of prior (and noise) variances.
 
     The prior grid is ``base_prior * prior_grid`` and always reaches down to the
@@ -264,6 +348,8 @@ class ValidationGrid:
     """
 
     name = "validation"
+    needs_spectrum = True
+    uses_held_out = True
 
     def __init__(self, prior_grid=None, noise_grid=None):
         self.prior_grid = np.logspace(-6, 4, 41) if prior_grid is None else np.asarray(prior_grid)
@@ -281,42 +367,40 @@ class ValidationGrid:
             s2 = np.array([float(noise_variance)])
         return s0, s2
 
-    def select(self, prior_variance, noise_variance, *, score, base_prior, base_noise=None,
-               warn=True):
+    def select(self, ctx):
         """Pick the candidate with the lowest validation NLL.
 
         Parameters
         ----------
-        prior_variance, noise_variance : float or "auto"
-            ``noise_variance=None`` for classification.
-        score : callable
-            ``score(s0_array, s2_array) -> ndarray (len(s0), len(s2))`` of validation
-            NLL (``s2`` is NaN for classification).
-        base_prior, base_noise : float
-            Scales of the grids.
-        warn : bool, default=True
-            Warn when the optimum sits on an edge of a searched grid.
+        ctx : HyperContext
+            ``score`` (``s2`` is NaN for classification), ``base_prior`` and
+            ``base_noise`` (the grids' scales), ``warn`` (at an edge of a searched
+            grid); or ``scan``, a method's own search over this grid.
 
         Returns
         -------
         HyperResult
         """
-        s0, s2 = self.candidates(prior_variance, noise_variance, base_prior, base_noise)
-        scores = _finite_scores(score(s0, s2)).reshape(len(s0), len(s2))
+        if ctx.scan is not None:
+            return ctx.scan(self)
+        prior_variance, noise_variance = ctx.prior_variance, ctx.noise_variance
+        s0, s2 = self.candidates(prior_variance, noise_variance, ctx.base_prior, ctx.base_noise)
+        scores = _finite_scores(ctx.score(s0, s2)).reshape(len(s0), len(s2))
         if not np.isfinite(scores).any():
             raise FloatingPointError(
                 "the validation NLL is not finite for any candidate hyperparameter"
             )
         i, j = np.unravel_index(np.argmin(scores), scores.shape)
-        if warn:
-            self._warn_edges(i, j, s0, s2, prior_variance, noise_variance)
+        if ctx.warn:
+            self.warn_edges(i, j, s0, s2, prior_variance, noise_variance)
         trace = {"prior_variance": s0, "noise_variance": None if noise_variance is None else s2,
                  "score": scores, "best_score": float(scores[i, j])}
         return HyperResult(float(s0[i]), None if noise_variance is None else float(s2[j]),
                            self.name, trace)
 
     @staticmethod
-    def _warn_edges(i, j, s0, s2, prior_variance, noise_variance):
+    def warn_edges(i, j, s0, s2, prior_variance, noise_variance):
+        """Warn when candidate ``(i, j)`` sits on an edge of a searched grid."""
         msgs = []
         if prior_variance == "auto" and len(s0) > 1:
             if i == 0:
@@ -336,14 +420,15 @@ class ValidationGrid:
             msgs.append(f"noise_variance is at the {'lower' if j == 0 else 'upper'} edge of "
                         "its grid")
         for m in msgs:
-            warnings.warn(m, HyperparameterWarning, stacklevel=4)
+            warnings.warn(m, HyperparameterWarning, stacklevel=5)
 
 
-class EM:
+class EM(_Strategy):
     """Expectation-maximisation of the prior precision (sampled LLA).
 
-    The method supplies one EM update ``step(prior_variance) -> (prior_variance,
-    info)``; this object runs ``n_steps`` of them and records the trace.
+    The method supplies one EM update ``ctx.em_step(s0, s2) -> (s0, s2, info)``
+    (updating the ``"auto"`` ones); this object runs ``n_steps`` of them from
+    ``ctx.start`` and records the trace.
 
     Parameters
     ----------
@@ -351,41 +436,36 @@ class EM:
     """
 
     name = "em"
+    needs_mode = True
 
     def __init__(self, n_steps=3):
         self.n_steps = int(n_steps)
 
-    def run(self, step, prior_variance, noise_variance=None):
-        """Iterate ``step`` from ``prior_variance`` and return a :class:`HyperResult`."""
-        values, infos = [float(prior_variance)], []
+    def select(self, ctx):
+        """Iterate ``ctx.em_step`` from ``ctx.start`` and return a :class:`HyperResult`."""
+        s0, s2 = ctx.start
+        values, infos = [float(s0)], []
         for _ in range(self.n_steps):
-            prior_variance, info = step(prior_variance)
-            values.append(float(prior_variance))
+            s0, s2, info = ctx.em_step(s0, s2)
+            values.append(float(s0))
             infos.append(info)
-        return HyperResult(float(prior_variance), noise_variance, self.name,
+        return HyperResult(float(s0), s2, self.name,
                            {"prior_variance": np.asarray(values), "steps": infos})
 
 
-class VariationalEnergy:
+class VariationalEnergy(_Strategy):
     """Hyperparameters learned jointly with the variational parameters.
 
     The optimisation loop (:mod:`sklearn_lla._core.optim`) moves them; this object only
-    turns the loop's history into a :class:`HyperResult`.
+    turns the learned values and the loop's ``ctx.history`` into a :class:`HyperResult`.
     """
 
     name = "variational"
 
-    def result(self, prior_variance, noise_variance, history):
-        """Wrap the learned values and the optimisation ``history``."""
-        return HyperResult(float(prior_variance),
-                           None if noise_variance is None else float(noise_variance),
-                           self.name, dict(history))
-
-
-#: Scales ``c`` of the objective's ``(s0^2, s2)`` that :class:`HeldOutNoise` scores, in
-#: units of ``c0 = (mean squared held-out residual) / s2``, the largest scale the
-#: held-out rows can call for (``1e-4 .. 10^0.2``, 0.05 decades apart).
-SCALE_GRID = np.logspace(-4, 0.2, 85)
+    def select(self, ctx):
+        """Wrap the learned values and the optimisation history."""
+        return HyperResult(float(ctx.prior_variance), _value(ctx.noise_variance), self.name,
+                           dict(ctx.history or {}))
 
 
 def _finite_scores(scores):
@@ -394,152 +474,41 @@ def _finite_scores(scores):
     return np.where(np.isfinite(scores), scores, np.inf)
 
 
-def _refine(values, scores, i, score):
-    """Re-score 11 points between the neighbours of ``values[i]`` (log spacing of the
-    grid) and return the arrays with the better one appended (or unchanged), and its index."""
-    step = np.log(values[1] / values[0])
-    fine = values[i] * np.exp(np.linspace(-step, step, 11))
-    fs = _finite_scores(score(fine))
-    j = int(np.argmin(fs))
-    if fs[j] < scores[i]:
-        return np.concatenate([values, fine]), np.concatenate([scores, fs]), len(scores) + j
-    return values, scores, i
+#: Every strategy by name.
+STRATEGIES = {cls.name: cls for cls in (Fixed, Evidence, ValidationGrid, WeightNorm, EM,
+                                        VariationalEnergy)}
 
-
-class HeldOutNoise:
-    """Regression hyperparameters on held-out rows: one scalar, the posterior kept.
-
-    **The prior chosen by the objective** (``anchor``: the method's own joint optimum
-    ``(s0^2, s2)`` on the training rows). Held-out rows fit one scale ``c`` of the
-    pair, ``(c s0^2, c s2)``: for a Gaussian linear model the posterior at ``(c s0^2, c
-    s2)`` is exactly ``c`` times the one at ``(s0^2, s2)``, so the predictive keeps the
-    objective's shape (its signal-to-noise ratio, and how much wider it grows off the
-    data) and only its overall scale is fitted, by held-out NLL (the Gaussian maximum
-    likelihood scale; it is at most ``c0``, the held-out mean squared residual over
-    ``s2``, since the latent variance is non-negative). A scale cannot switch the
-    posterior off. (Moving along the evidence ridge instead, each candidate noise
-    paired with the evidence's prior for it, let 53-89 held-out rows trade most of the
-    noise for prior variance in directions no training row determines: exact LLA on
-    diabetes, P ~ 3,000 >> N = 264, came out 0.02-0.05 nats worse than the raw net;
-    docs/calibration.md.)
-
-    **A fixed prior variance** (``anchor=None``): the noise variance alone, by held-out
-    NLL on a log grid around the network's mean squared held-out residual, paired
-    with ``prior_of(s2)`` (the fixed value).
-
-    Parameters
-    ----------
-    noise_grid : array-like, default=logspace(-3, 1, 41)
-        Noise candidates relative to the mean squared held-out residual (fixed prior).
-    """
-
-    name = "held_out_noise"
-
-    def __init__(self, noise_grid=None):
-        self.noise_grid = (np.logspace(-3, 1, 41) if noise_grid is None
-                           else np.asarray(noise_grid, dtype=float))
-
-    def select(self, prior_of, *, score, base_noise, warn=True, anchor=None):
-        """The held-out NLL's best rescaling of ``anchor`` (or noise, for a fixed prior).
-
-        Parameters
-        ----------
-        prior_of : callable
-            ``s2 -> s0^2``, the prior variance for a noise variance (used when
-            ``anchor`` is ``None``).
-        score : callable
-            ``score(s0_array, s2_array) -> ndarray`` of held-out NLL per *pair*.
-        base_noise : float
-            The mean squared held-out residual of the network.
-        warn : bool, default=True
-            Warn when the optimum sits on an edge of the grid.
-        anchor : tuple of float, optional
-            ``(s0^2, s2)`` of the objective's joint optimum (a prior chosen by the
-            objective); ``None`` for a fixed prior variance.
-
-        Returns
-        -------
-        prior_variance, noise_variance : float
-        trace : dict
-            ``"scale"`` is the chosen ``c`` (``None`` for a fixed prior).
-        """
-        if anchor is not None:
-            return self._rescale(anchor, score, base_noise, warn)
-        s2 = base_noise * self.noise_grid
-
-        def by_noise(v):
-            return score(np.array([prior_of(u) for u in v]), v)
-
-        sc = _finite_scores(by_noise(s2))
-        if not np.isfinite(sc).any():
-            raise FloatingPointError("the held-out NLL is not finite for any noise variance")
-        i = int(np.argmin(sc))
-        at_edge = len(s2) > 1 and i in (0, len(s2) - 1)
-        if not at_edge and len(s2) > 1:
-            s2, sc, i = _refine(s2, sc, i, by_noise)
-        s0 = np.array([prior_of(v) for v in s2])
-        if at_edge and warn:
-            where = "lower" if i == 0 else "upper"
-            msg = (f"noise_variance_, calibrated on the held-out rows, is at the {where} edge "
-                   f"of its grid ({s2[i]:.3g}, {self.noise_grid[0 if i == 0 else -1]:g} x the "
-                   "network's mean squared residual there)")
-            msg += ("; the posterior's latent variance alone over-explains the held-out "
-                    "residuals: pass a prior_variance below prior_variance_ if the intervals "
-                    "are too wide" if i == 0 else
-                    "; check that the held-out targets are on the scale of y")
-            warnings.warn(msg, HyperparameterWarning, stacklevel=3)
-        trace = {"prior_variance": s0, "noise_variance": s2, "score": sc,
-                 "best_score": float(sc[i]), "mse_held_out": float(base_noise), "scale": None}
-        return float(s0[i]), float(s2[i]), trace
-
-    @staticmethod
-    def _rescale(anchor, score, base_noise, warn):
-        """The held-out NLL's best ``c`` in ``(c s0^2, c s2)`` (see the class docstring)."""
-        a0, a2 = float(anchor[0]), float(anchor[1])
-        c = SCALE_GRID * (float(base_noise) / max(a2, 1e-300))
-
-        def by_scale(v):
-            return score(a0 * v, a2 * v)
-
-        sc = _finite_scores(by_scale(c))
-        if not np.isfinite(sc).any():
-            raise FloatingPointError("the held-out NLL is not finite for any scale")
-        i = int(np.argmin(sc))
-        if 0 < i < len(c) - 1:
-            c, sc, i = _refine(c, sc, i, by_scale)
-        elif i == 0 and warn:
-            warnings.warn(
-                f"noise_variance_ and prior_variance_ are the objective's pair scaled by the "
-                f"lowest candidate: the held-out rows call for a scale below {SCALE_GRID[0]:g} "
-                "times the largest their residuals allow, as the posterior's latent variance "
-                "alone over-explains them. Check that the held-out rows come from the training "
-                "data's distribution and that their targets are on the scale of y; otherwise "
-                "pass a prior_variance below prior_variance_",
-                HyperparameterWarning, stacklevel=3)
-        trace = {"prior_variance": a0 * c, "noise_variance": a2 * c, "score": sc,
-                 "best_score": float(sc[i]), "mse_held_out": float(base_noise),
-                 "scale": float(c[i]), "anchor": (a0, a2)}
-        return float(a0 * c[i]), float(a2 * c[i]), trace
-
+#: The objective behind ``hyper_strategy="auto"``, per (method family, task). The prior
+#: variance of a classifier is the weight norm: for a network that fits its training
+#: labels the softmax curvature there vanishes and the evidence (or EM) then chooses a
+#: prior far too broad (``docs/hyperparameters.md``).
+OBJECTIVE = {
+    ("glm", "regression"): "evidence",
+    ("glm", "classification"): "weight_norm",
+    ("sampled", "regression"): "em",
+    ("sampled", "classification"): "weight_norm",
+    ("variational", "regression"): "variational",
+    ("variational", "classification"): "weight_norm",
+}
 
 #: The strategies a GLM-type posterior accepts for ``hyper``.
 GLM_STRATEGIES = ("auto", "evidence", "validation", "weight_norm")
 
 
-def resolve_strategy(hyper, *, auto, has_validation, fallback="evidence",
-                     allowed=GLM_STRATEGIES):
-    """The strategy that chooses the ``"auto"`` prior (and, without held-out rows, noise).
+def resolve(hyper, *, family, task, auto, has_validation, allowed=GLM_STRATEGIES):
+    """The name of the strategy that chooses the ``"auto"`` values.
 
     Parameters
     ----------
     hyper : str
-        The requested strategy; ``"auto"`` means ``fallback`` (the method's objective).
+        The requested strategy; ``"auto"`` means ``OBJECTIVE[(family, task)]``.
+    family : {"glm", "sampled", "variational"}
+        The method family.
+    task : {"regression", "classification"}
     auto : bool
         Whether any hyperparameter is ``"auto"`` (else ``"fixed"``).
     has_validation : bool
         Whether rows the network did not fit are available.
-    fallback : str, default="evidence"
-        The method's objective for ``"auto"``.
     allowed : tuple of str
         Accepted values of ``hyper``.
 
@@ -550,59 +519,20 @@ def resolve_strategy(hyper, *, auto, has_validation, fallback="evidence",
     if hyper not in allowed:
         raise ValueError(f"hyper_strategy must be one of {allowed}, got {hyper!r}")
     if not auto:
-        return "fixed"
+        return Fixed.name
     if hyper == "auto":
-        return fallback
-    if hyper == "validation" and not has_validation:
-        raise ValueError("hyper_strategy='validation' needs rows the network did not fit: "
+        return OBJECTIVE[(family, task)]
+    if STRATEGIES[hyper].uses_held_out and not has_validation:
+        raise ValueError(f"hyper_strategy={hyper!r} needs rows the network did not fit: "
                          "pass validation_data=(X_val, y_val) to fit")
     return hyper
 
 
-def select_from_spectrum(strategy, prior_variance, noise_variance, *, eigvals, theta_sq_norm,
-                         data_fit, n_obs, n_params, n_outside=0, prior_scale=1.0,
-                         score=None, base_prior=None, base_noise=None, grid=None, warn=True):
-    """Run ``strategy`` on a GLM posterior's spectrum: the one dispatch of every GLM method.
+def strategy(name, **configured):
+    """The strategy called ``name``: ``configured[name]`` if given, else a default one."""
+    return configured.get(name) or STRATEGIES[name]()
 
-    Parameters
-    ----------
-    strategy : {"fixed", "evidence", "weight_norm", "validation"}
-        As returned by :func:`resolve_strategy`.
-    prior_variance, noise_variance : float or "auto"
-        ``noise_variance=None`` for classification.
-    eigvals : ndarray
-        Eigenvalues of the (unit-noise) GGN in the posterior's feature space, whitened
-        by the prior Gram.
-    theta_sq_norm, data_fit, n_obs, n_outside
-        As in :func:`glm_log_evidence`.
-    n_params : int
-        Number of parameters (the weight-norm value ``||theta||^2 / P``).
-    prior_scale : float, default=1.0
-        The prior precision's weight ``n_seen / N`` during early stopping: the
-        evidence is that of the ``n_seen`` rows seen, whose prior variance is
-        ``s0^2 / prior_scale``.
-    score, base_prior, base_noise, grid, warn
-        The ``validation`` strategy's held-out score, grid scales and grid.
 
-    Returns
-    -------
-    HyperResult
-    """
-    if strategy == "fixed":
-        return Fixed().select(prior_variance, noise_variance)
-    if strategy == "weight_norm":
-        return WeightNorm().select(prior_variance, noise_variance, theta_sq_norm=theta_sq_norm,
-                                   n_params=n_params)
-    if strategy == "evidence":
-        fixed_prior = prior_variance != "auto"
-        res = Evidence().select(
-            float(prior_variance) / prior_scale if fixed_prior else "auto", noise_variance,
-            eigvals=eigvals, theta_sq_norm=theta_sq_norm, data_fit=data_fit, n_obs=n_obs,
-            n_params=n_params, n_outside=n_outside)
-        res.prior_variance *= prior_scale
-        return res
-    if strategy == "validation":
-        return (grid or ValidationGrid()).select(prior_variance, noise_variance, score=score,
-                                                 base_prior=base_prior, base_noise=base_noise,
-                                                 warn=warn)
-    raise ValueError(f"unknown hyperparameter strategy {strategy!r}")
+def select(name, ctx, **configured):
+    """Run the strategy called ``name`` on ``ctx`` (see :func:`strategy`)."""
+    return strategy(name, **configured).select(ctx)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from sklearn.exceptions import ConvergenceWarning
 
-__all__ = ["OptimResult", "improves", "lr_factor", "minibatches", "minimize"]
+__all__ = ["OptimResult", "Patience", "improves", "lr_factor", "minibatches", "minimize"]
 
 #: Named learning-rate schedules of :func:`minimize` (see :func:`lr_factor`).
 LR_SCHEDULES = ("constant", "cosine", "step")
@@ -159,6 +159,58 @@ def improves(score: float, best: float, tol: float) -> bool:
     return score < best - tol * max(1.0, abs(best))
 
 
+class Patience:
+    """Early stopping's count: checks without an improvement, by :func:`improves`.
+
+    The one rule of every early-stopping loop (:func:`minimize`, ELLA's streamed
+    checks, sampled LLA's validation scan): a score improves on the best when
+    :func:`improves` says so (it then becomes the best and the count restarts);
+    otherwise the check counts against, unless it is within ``slack * |best|`` of
+    the best (not clearly worse: the count restarts). :attr:`stop` after
+    ``n_iter_no_change`` such checks in a row.
+
+    Parameters
+    ----------
+    n_iter_no_change : int
+        Checks without improvement that stop the loop.
+    tol : float, default=0.0
+        The tolerance of :func:`improves`.
+    slack : float or None, default=None
+        Scores within ``slack * |best|`` above the best restart the count; ``None``:
+        every check that does not improve counts.
+
+    Examples
+    --------
+    >>> from sklearn_lla._core.optim import Patience
+    >>> p = Patience(2)
+    >>> [p.update(s) for s in (3.0, 2.0, 2.5, 2.5)], p.best, p.stop
+    ([True, True, False, False], 2.0, True)
+    """
+
+    def __init__(self, n_iter_no_change: int, tol: float = 0.0, slack: float | None = None):
+        self.n_iter_no_change = int(n_iter_no_change)
+        self.tol = float(tol)
+        self.slack = slack
+        self.best = math.inf
+        self.bad = 0
+
+    def update(self, score: float) -> bool:
+        """Record a check's ``score``; whether it improved on the best."""
+        if improves(score, self.best, self.tol):
+            self.best, self.bad = score, 0
+            return True
+        if self.slack is not None and score <= self.best + self.slack * abs(self.best):
+            self.bad = 0
+        else:
+            self.bad += 1
+        return False
+
+    @property
+    def stop(self) -> bool:
+        """Whether ``n_iter_no_change`` checks in a row did not improve."""
+        return self.bad >= self.n_iter_no_change
+
+
 def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: int,
              lr: float = 1e-3, validation: Callable | str | None = None,
              validation_freq: int = 100, early_stopping: bool = True,
@@ -227,7 +279,8 @@ def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: in
     opt = torch.optim.Adam(params, lr=lr)
     res = OptimResult(monitor="none" if validation is None else
                       "loss" if on_loss else "validation")
-    best_score, best_state, bad, last_check = math.inf, None, 0, 0
+    patience = Patience(n_iter_no_change, tol)
+    best_state, last_check = None, 0
     bar = None
     if verbose:
         from tqdm.auto import tqdm
@@ -235,7 +288,7 @@ def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: in
         bar = tqdm(total=max_iter, desc=desc, leave=False)
 
     def check(step):
-        nonlocal best_score, best_state, bad, last_check
+        nonlocal best_state, last_check
         if on_loss:
             score = float(np.mean(res.loss_history[last_check:step]))
         else:
@@ -243,13 +296,10 @@ def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: in
                 score = float(validation())
         last_check = step
         res.validation_history.append((step, score))
-        if improves(score, best_score, tol):
-            best_score, bad = score, 0
+        if patience.update(score):
             best_state = [p.detach().clone() for p in params]
             res.best_iter = step
-        else:
-            bad += 1
-        return early_stopping and bad >= n_iter_no_change
+        return early_stopping and patience.stop
 
     if check_start and callable(validation):
         check(0)

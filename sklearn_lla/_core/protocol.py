@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .utils import cast_rows
+
 __all__ = ["FitData", "LatentPredictive", "Posterior", "holdout_rows",
            "to_batch", "check_finite_outputs", "validation_residuals"]
 
@@ -78,10 +80,8 @@ def to_batch(X, sl, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     Reads only those rows (memmaps and other array-likes are never loaded whole) and
     always copies, so read-only input never backs a tensor.
     """
-    rows = X[sl]
-    np_dtype = torch.empty((), dtype=dtype).numpy().dtype
-    with np.errstate(over="ignore"):
-        arr = np.array(rows, dtype=np_dtype, copy=True)
+    arr = cast_rows(X[sl], dtype)
+    np_dtype = arr.dtype
     if not np.isfinite(arr).all():
         what = (f"rows {sl.start}..{sl.stop - 1}" if isinstance(sl, slice) else "some rows")
         raise ValueError(
@@ -349,15 +349,50 @@ class Posterior(abc.ABC):
             f"{type(self).__name__} does not provide joint covariances over query points "
             "(return_cov, sample_y)")
 
+    #: Regression: whether the posterior at ``(c s0^2, c s2)`` is exactly ``c`` times
+    #: the one at ``(s0^2, s2)`` (a linear-Gaussian posterior). Held-out rows then fit
+    #: that scale in closed form (:func:`~sklearn_lla._core.calibration.calibrate_scale`,
+    #: applied by :meth:`rescale`); otherwise the noise variance alone, the latent
+    #: covariance kept.
+    rescalable: bool = False
+
+    #: Regression: whether the posterior can be refitted for a candidate noise variance
+    #: (:meth:`held_out_pairs`, :meth:`refit_noise`). Under a fixed prior variance
+    #: held-out rows then choose the noise variance alone, the posterior refitted.
+    refits_noise: bool = False
+
+    #: At most this many torch intra-op threads while :meth:`calibrate` runs (its
+    #: many held-out NLL evaluations are small tensor operations); 0: unchanged.
+    calibration_threads: int = 0
+
+    #: Whether the prior variance was ``"auto"`` (set by :meth:`fit` of a posterior that
+    #: :attr:`refits_noise`).
+    auto_prior: bool = True
+
+    def rescale(self, c: float) -> None:
+        """Move to ``(c s0^2, c s2)`` (a :attr:`rescalable` posterior)."""
+        raise NotImplementedError(f"{type(self).__name__} is not rescalable")
+
+    def held_out_pairs(self, validation: FitData):
+        """``(score, base_noise)``: held-out NLL per ``(s0^2, s2)`` pair and the network's
+        mean squared held-out residual (a posterior that :attr:`refits_noise`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not refit its noise")
+
+    def refit_noise(self, noise_variance: float) -> None:
+        """Refit at the noise variance ``noise_variance`` (the prior kept)."""
+        raise NotImplementedError(f"{type(self).__name__} does not refit its noise")
+
     def calibrate(self, validation: FitData, *, noise: bool, temperature: bool,
                   generator: torch.Generator | None = None) -> None:
-        """Calibrate one scalar on held-out rows, keeping the latent covariance.
+        """Calibrate one scalar on held-out rows, keeping the latent covariance's shape.
 
-        Regression: the noise variance (when ``noise``); classification: a
-        temperature of the latent predictive (when ``temperature``); see
-        :mod:`sklearn_lla._core.calibration`. ``self.likelihood`` is replaced and
-        ``self.hyper_trace["calibration"]`` records the search. Posteriors whose
-        covariance depends on the noise override this with a consistent version.
+        Regression (when ``noise``): a :attr:`rescalable` posterior's scale ``c`` of
+        ``(s0^2, s2)`` (closed form), or, under a fixed prior variance, for a posterior
+        that :attr:`refits_noise`, the noise variance with the posterior refitted;
+        otherwise the noise variance alone. Classification (when ``temperature``): a
+        temperature of the latent predictive. See :mod:`sklearn_lla._core.calibration`.
+        ``self.likelihood`` is replaced and ``self.hyper_trace["calibration"]`` records
+        the search.
 
         Parameters
         ----------
@@ -368,6 +403,13 @@ class Posterior(abc.ABC):
         generator : torch.Generator, optional
             Random source of a row subset and of Monte Carlo draws.
         """
+        from .utils import torch_threads
+
+        with torch_threads(self.calibration_threads):
+            self._calibrate(validation, noise, temperature, generator)
+
+    def _calibrate(self, validation, noise, temperature, generator):
+        """:meth:`calibrate` itself (under its thread limit)."""
         from . import calibration as cal
         from .likelihoods import uses_mc_link
 
@@ -375,13 +417,23 @@ class Posterior(abc.ABC):
         regression = lik.task == "regression"
         if not (noise if regression else temperature):
             return
-        mean, cov, y = cal.held_out_predictive(self, validation, generator=generator)
-        if regression:
+        if regression and self.refits_noise and not self.auto_prior:
+            score, base_noise = self.held_out_pairs(validation)
+            s2, trace = cal.calibrate_noise_refit(score, self.prior_variance, base_noise)
+            self.refit_noise(s2)
+        elif regression and self.rescalable:
+            mean, cov, y = cal.held_out_predictive(self, validation, max_rows=None)
+            c, trace = cal.calibrate_scale(mean, cov, y, self.prior_variance,
+                                           lik.noise_variance)
+            self.rescale(c)
+        elif regression:
+            mean, cov, y = cal.held_out_predictive(self, validation, generator=generator)
             s2, trace = cal.calibrate_noise(mean, cov, y)
             self.likelihood = lik.with_noise(s2)
             if hasattr(self, "noise_variance"):
                 self.noise_variance = s2
         else:
+            mean, cov, y = cal.held_out_predictive(self, validation, generator=generator)
             eps = None
             if uses_mc_link(lik):
                 gen = generator if generator is not None else torch.Generator().manual_seed(0)

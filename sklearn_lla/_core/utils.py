@@ -1,13 +1,17 @@
-"""Small shared helpers: devices and seeding."""
+"""Small shared helpers: devices, seeds, dtypes and torch threads (one home each)."""
 
 from __future__ import annotations
 
 import contextlib
+import threading
+from numbers import Integral
 
+import numpy as np
 import torch
 from sklearn.utils import check_random_state
 
-__all__ = ["resolve_device", "torch_seed", "generator_seed", "seeded"]
+__all__ = ["resolve_device", "torch_seed", "int_seed", "generator_seed", "seeded",
+           "torch_threads", "module_dtype", "cast_rows"]
 
 
 def resolve_device(device) -> torch.device:
@@ -39,6 +43,32 @@ def torch_seed(random_state) -> int:
     return int(rng.randint(0, 2**31 - 1))
 
 
+def int_seed(random_state) -> int:
+    """An int ``random_state`` as it is, else one drawn from it (RandomState or None)."""
+    if isinstance(random_state, Integral):
+        return int(random_state)
+    return int(check_random_state(random_state).randint(2**31 - 1))
+
+
+def module_dtype(module) -> torch.dtype:
+    """The dtype of a module's first floating-point parameter (float32 without any)."""
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def cast_rows(rows, dtype: torch.dtype) -> np.ndarray:
+    """A fresh numpy copy of ``rows`` in the numpy dtype of the torch ``dtype``.
+
+    Values beyond the dtype's range overflow to ``inf`` silently: the caller checks
+    finiteness and names the rows in its error.
+    """
+    np_dtype = torch.empty((), dtype=dtype).numpy().dtype
+    with np.errstate(over="ignore"):
+        return np.array(rows, dtype=np_dtype, copy=True)
+
+
 def generator_seed(generator: torch.Generator) -> int:
     """Draw a seed in ``[0, 2^31 - 1)`` from a :class:`torch.Generator` (advancing it).
 
@@ -63,3 +93,35 @@ def seeded(seed: int, device: torch.device | None = None):
         yield
 
 
+_THREADS_LOCK = threading.Lock()
+_THREADS_STATE = {"depth": 0, "before": None}
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Run the block with at most ``n`` torch intra-op threads, then restore the setting.
+
+    Re-entrant and safe across threads (several fits or predictions at once): the
+    first block to enter records the setting and lowers it, the last one to leave
+    restores it. Like scikit-learn's ``threadpool_limits`` inside ``fit``, the limit
+    is process-wide while any such block runs. ``n <= 0`` does nothing.
+    """
+    if n <= 0:
+        yield
+        return
+    with _THREADS_LOCK:
+        if _THREADS_STATE["depth"] == 0:
+            before = torch.get_num_threads()
+            _THREADS_STATE["before"] = before
+            if n < before:
+                torch.set_num_threads(n)
+        _THREADS_STATE["depth"] += 1
+    try:
+        yield
+    finally:
+        with _THREADS_LOCK:
+            _THREADS_STATE["depth"] -= 1
+            if _THREADS_STATE["depth"] == 0:
+                if torch.get_num_threads() != _THREADS_STATE["before"]:
+                    torch.set_num_threads(_THREADS_STATE["before"])
+                _THREADS_STATE["before"] = None

@@ -13,28 +13,21 @@ The GGN posterior is formed explicitly in float64, either
   laplace-torch's default structure): the GLM posterior of the network linearised
   in its last layer's parameters, the other weights held fixed.
 
-Hyperparameters (``"auto"``): the prior variance by the closed-form Laplace evidence
-(the weight norm for full-network classification), the noise variance by the evidence
-too; when there are rows the network did not fit, they fit one scale ``c`` of the
-evidence's pair, ``(c s0^2, c s2)`` (:class:`~sklearn_lla._core.hyper.HeldOutNoise`);
-classifiers get a
-temperature calibrated on such rows (:mod:`sklearn_lla._core.hyper`,
-``docs/hyperparameters.md``).
+Hyperparameters (``"auto"``): the GLM family's objective
+(:data:`~sklearn_lla._core.hyper.OBJECTIVE`); rows the network did not fit then
+calibrate one scalar (:mod:`sklearn_lla._core.calibration`, ``docs/hyperparameters.md``).
 """
 
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import torch
 
-from .._core.hyper import (
-    HeldOutNoise,
-    resolve_strategy,
-    select_from_spectrum,
-)
+from .._core.hyper import HyperContext, resolve, strategy
 from .._core.linalg import cholesky, safe_eigh
 from .._core.protocol import LatentPredictive, Posterior, check_finite_outputs
 
@@ -75,12 +68,15 @@ class FunctionSpacePosterior(Posterior):
     fitted_attributes = ("prior_variance", "likelihood", "hyper_strategy", "hyper_trace",
                          "log_evidence")
 
-    def __init__(self, prior_variance="auto", noise_variance=None, hyper="auto",
-                 fallback="evidence"):
+    #: The posterior at ``(c s0^2, c s2)`` is ``c`` times this one, and is refitted for
+    #: a candidate noise from the one eigendecomposition.
+    rescalable = True
+    refits_noise = True
+
+    def __init__(self, prior_variance="auto", noise_variance=None, hyper="auto"):
         self.prior_variance = prior_variance
         self.noise_variance = noise_variance
         self.hyper = hyper
-        self.fallback = fallback
 
     def _sandwich_(self, K, A):
         """``K <- blockdiag(A)^T K blockdiag(A)`` in place (batched over points)."""
@@ -111,30 +107,28 @@ class FunctionSpacePosterior(Posterior):
         if self._A is not None:
             self._sandwich_(W, self._A)
         theta = lin.flat_params().double()
-        self._auto_prior = self.prior_variance == "auto"
-        auto = self._auto_prior or (regression and self.noise_variance == "auto")
-        strategy = resolve_strategy(self.hyper, auto=auto,
-                                    has_validation=data.validation is not None,
-                                    fallback=self.fallback)
-        self._strategy = strategy
+        self.auto_prior = self.prior_variance == "auto"
+        auto = self.auto_prior or (regression and self.noise_variance == "auto")
+        strat = strategy(resolve(self.hyper, family="glm", task=lik.task, auto=auto,
+                                 has_validation=data.validation is not None))
         # the spectrum, when a strategy or the noise calibration on held-out rows needs it
         profile = data.validation is not None and regression and self.noise_variance == "auto"
         self._Q, e = None, None
-        if strategy == "validation" or profile:
+        if strat.uses_held_out or profile:
             e, self._Q = safe_eigh(W, "function-space GGN")
             e = e.clamp_min(0)
             del W
-        elif strategy == "evidence":
+        elif strat.needs_spectrum:
             e = torch.linalg.eigvalsh(W).clamp_min(0)  # a transient copy of W
-        self._kw = dict(eigvals=None if e is None else e.cpu().numpy(),
-                        theta_sq_norm=float(theta @ theta), data_fit=fit_stat, n_obs=N * C,
-                        n_params=lin.n_params)
         self._fit_stat, self._n_obs, self._e = fit_stat, N * C, e
-        s2 = self.noise_variance if regression else None
-        if strategy == "validation":
-            res = self._validate(data, e, s2)
-        else:
-            res = select_from_spectrum(strategy, self.prior_variance, s2, **self._kw)
+        self._theta_sq = float(theta @ theta)
+        ctx = HyperContext(self.prior_variance, self.noise_variance if regression else None,
+                           eigvals=None if e is None else e.cpu().numpy(),
+                           theta_sq_norm=self._theta_sq, data_fit=fit_stat, n_obs=N * C,
+                           n_params=lin.n_params)
+        if strat.uses_held_out:
+            ctx = self._held_out_context(ctx, data.validation)
+        res = strat.select(ctx)
         self.hyper_strategy, self.hyper_trace = res.strategy, res.trace
         if self._Q is not None:
             self._set_hyperparameters(res.prior_variance, res.noise_variance)
@@ -164,41 +158,21 @@ class FunctionSpacePosterior(Posterior):
         else:
             fit_term = self._fit_stat
         # log Z = log p(y | theta) - |theta|^2 / (2 s0^2) - 1/2 log det(I + s0^2 A^T K A)
-        self.log_evidence = fit_term - 0.5 * self._kw["theta_sq_norm"] / s0 - 0.5 * logdet
+        self.log_evidence = fit_term - 0.5 * self._theta_sq / s0 - 0.5 * logdet
 
-    def calibrate(self, validation, *, noise, temperature, generator=None):
-        """Calibrate on held-out rows; regression: one scale of the objective's pair.
+    def rescale(self, c):
+        """Move to ``(c s0^2, c s2)``."""
+        self._set_hyperparameters(c * self.prior_variance, c * self.noise_variance)
 
-        As :meth:`sklearn_lla._posteriors.glm.GLMPosterior.calibrate`: the exact
-        rescaling ``(c s0^2, c s2)`` of the evidence's pair (a fixed prior variance: the
-        noise variance alone).
-
-        Parameters
-        ----------
-        validation : FitData
-            Rows the network did not fit.
-        noise, temperature : bool
-            Which scalar may be calibrated.
-        generator : torch.Generator, optional
-            Random source (temperature calibration).
-        """
-        if self._lik0.task != "regression":
-            return super().calibrate(validation, noise=noise, temperature=temperature,
-                                     generator=generator)
-        if not noise:
-            return None
-
+    def held_out_pairs(self, validation):
+        """Held-out NLL per ``(s0^2, s2)`` pair, and the network's mean squared residual."""
         stats = self._held_out_stats(validation)
-        base_noise = max(sum(float(((y - g) ** 2).sum()) for g, _, _, y in stats)
-                         / sum(y.numel() for *_, y in stats), 1e-12)
+        return (lambda s0s, s2s: self._score_pairs(stats, s0s, s2s),
+                _mean_squared_residual(stats))
 
-        s0, s2, trace = HeldOutNoise().select(
-            lambda s2: self.prior_variance,  # used only for a fixed prior variance
-            score=lambda s0s, s2s: self._score_pairs(stats, s0s, s2s), base_noise=base_noise,
-            anchor=(self.prior_variance, self.noise_variance) if self._auto_prior else None)
-        self._set_hyperparameters(s0, s2)
-        self.hyper_trace = {**(self.hyper_trace or {}), "calibration": trace}
-        return None
+    def refit_noise(self, noise_variance):
+        """Refit at ``noise_variance`` (the prior variance kept)."""
+        self._set_hyperparameters(self.prior_variance, noise_variance)
 
     def _AtK(self, kXx):
         """``blockdiag(A)^T k(X, x)`` (unit-noise A = I for regression)."""
@@ -240,22 +214,18 @@ class FunctionSpacePosterior(Posterior):
                 out[k] -= float(lk.log_predictive(g, cov, y).sum())
         return out / max(n, 1)
 
-    def _validate(self, data, e, s2):
-        """The ``validation`` strategy (asked for by name): the joint held-out grid."""
-        stats = self._held_out_stats(data.validation)
-        regression = s2 is not None
-        base_noise = None
-        if regression:
-            base_noise = max(sum(float(((y - g) ** 2).sum()) for g, _, _, y in stats)
-                             / sum(y.numel() for *_, y in stats), 1e-12)
+    def _held_out_context(self, ctx, validation):
+        """``ctx`` with the held-out score of a strategy that reads held-out rows."""
+        stats = self._held_out_stats(validation)
         base_prior = max(float(self.lin.flat_params().double().pow(2).mean()), 1e-12)
 
         def score(s0s, s2s):
             a, b = np.meshgrid(np.asarray(s0s, float), np.asarray(s2s, float), indexing="ij")
             return self._score_pairs(stats, a.ravel(), b.ravel()).reshape(a.shape)
 
-        return select_from_spectrum("validation", self.prior_variance, s2, score=score,
-                                    base_prior=base_prior, base_noise=base_noise, **self._kw)
+        return replace(ctx, score=score, base_prior=base_prior,
+                       base_noise=(_mean_squared_residual(stats)
+                                   if ctx.noise_variance is not None else None))
 
     def predict(self, x):
         """Latent predictive at a batch ``x``."""
@@ -276,3 +246,9 @@ class FunctionSpacePosterior(Posterior):
         s0 = self.prior_variance
         cov = s0 * self.lin.kernel(x, n_outputs=C) - (s0 * s0 / self._s2) * (Z.T @ Z)
         return g, 0.5 * (cov + cov.T)
+
+
+def _mean_squared_residual(stats):
+    """The network's mean squared residual over held-out ``stats`` batches."""
+    return max(sum(float(((y - g) ** 2).sum()) for g, _, _, y in stats)
+               / sum(y.numel() for *_, y in stats), 1e-12)

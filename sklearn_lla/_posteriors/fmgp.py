@@ -21,9 +21,8 @@ float64; the algebra is shared with VaLLA in :mod:`sklearn_lla._posteriors.gp`):
 kernel hyperparameters cannot shrink the predictive variance to zero to fit the fixed
 mean's residuals alone.
 
-Regression's noise variance (issue 19). The residuals of ``g`` on its own training
-rows are optimistic by construction (a 2 x 50 MLP trained 200 epochs on diabetes has a
-training mean squared residual 10 x below its held-out one), so a noise variance
+Regression's noise variance. The residuals of ``g`` on its own training rows are
+optimistic by construction (``docs/fmgp.md`` measures them), so a noise variance
 learned from the fixed-mean term collapses towards them (and below: the alpha = 1
 energies let ``S`` stand in for the noise). The noise is a property of the data: every
 parameter but ``s2`` minimises the thesis' loss above with ``s2`` held constant in it,

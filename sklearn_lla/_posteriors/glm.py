@@ -25,19 +25,17 @@ early stopping ended the stream early). Hyperparameter strategies
 from __future__ import annotations
 
 import abc
+import warnings
+from dataclasses import replace
 
 import numpy as np
 import torch
 
-from .._core.hyper import (
-    HeldOutNoise,
-    HyperparameterWarning,
-    ValidationGrid,
-    resolve_strategy,
-    select_from_spectrum,
-)
+from .._core import calibration as cal
+from .._core.hyper import HyperContext, HyperparameterWarning, ValidationGrid, resolve, strategy
 from .._core.likelihoods import mc_seed, uses_mc_link
 from .._core.linalg import cholesky, safe_eigh
+from .._core.optim import Patience
 from .._core.protocol import (
     FitData,
     LatentPredictive,
@@ -304,21 +302,17 @@ class GLMPosterior(Posterior):
     noise_variance : float, "auto" or None, default=None
         Regression noise (``None`` for classification).
     hyper : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
-        Strategy for ``"auto"`` values (:func:`~sklearn_lla._core.hyper.resolve_strategy`):
-        ``"auto"`` is ``fallback``, the objective; ``"validation"`` the joint held-out
-        grid, only when asked for.
-    fallback : {"evidence", "weight_norm"}, default="evidence"
-        The objective behind ``"auto"``.
+        Strategy for ``"auto"`` values (:func:`~sklearn_lla._core.hyper.resolve`):
+        ``"auto"`` is the GLM family's objective for the task; ``"validation"`` the
+        joint held-out grid, only when asked for.
     validation_grid : ValidationGrid, optional
         The grid of the ``validation`` strategy.
-    held_out_noise : HeldOutNoise, optional
-        The noise calibration on held-out rows (:meth:`calibrate`).
     early_stopping : bool, default=False
         Stream the training data in random order, evaluate the held-out NLL every
         ``search_freq`` points (the posterior of the rows seen so far, prior weighted by
         ``n_seen / N``, hyperparameters by the objective and the noise calibrated as in
-        :meth:`calibrate`) and keep the best state (ELLA's remedy for
-        over-concentration at large N). Needs rows the network did not fit.
+        :meth:`~sklearn_lla._core.protocol.Posterior.calibrate`) and keep the best
+        state (ELLA's remedy for over-concentration at large N). Needs rows the network did not fit.
     search_freq : int, default=1000
     n_iter_no_change : int, default=5
     residual_correction : bool or "kfac", default=False
@@ -337,20 +331,17 @@ class GLMPosterior(Posterior):
 
     def __init__(self, features, prior_variance="auto", noise_variance=None, hyper="auto",
                  validation_grid=None, early_stopping=False, search_freq=1000,
-                 n_iter_no_change=5, residual_correction=False, label="LLA",
-                 fallback="evidence", held_out_noise=None):
+                 n_iter_no_change=5, residual_correction=False, label="LLA"):
         self.features = features
         self.prior_variance = prior_variance
         self.noise_variance = noise_variance
         self.hyper = hyper
         self.validation_grid = validation_grid or ValidationGrid()
-        self.held_out_noise = held_out_noise or HeldOutNoise()
         self.early_stopping = early_stopping
         self.search_freq = search_freq
         self.n_iter_no_change = n_iter_no_change
         self.residual_correction = residual_correction
         self.label = label
-        self.fallback = fallback
 
     # ---------------------------------------------------------------- pieces
     def _whiten_map(self):
@@ -391,11 +382,10 @@ class GLMPosterior(Posterior):
         The evidence, the validation grid and every noise search score many candidate
         hyperparameters from one eigendecomposition; the weight norm and fixed
         values need one posterior only, which a Cholesky factor gives at a fraction
-        of the cost (``K = P = 6,310`` on digits: about 45 s of ``eigh`` on 2 cores
-        against 2 s).
+        of the cost (``docs/exact.md``).
         """
         noise_auto = self._regression and self.noise_variance == "auto"
-        return self._strategy not in ("fixed", "weight_norm") or noise_auto
+        return self._strategy_obj().needs_spectrum or noise_auto
 
     def _spectrum_factor(self, G):
         """``(e, T)`` when the strategy needs the spectrum, else ``(None, G)``."""
@@ -434,11 +424,10 @@ class GLMPosterior(Posterior):
         K, N = feats.dim, data.n_samples
         self._regression = lik.task == "regression"
         self._n_outputs = data.n_outputs
-        self._auto_prior = self.prior_variance == "auto"
-        auto = self._auto_prior or (self._regression and self.noise_variance == "auto")
-        self._strategy = resolve_strategy(self.hyper, auto=auto,
-                                          has_validation=data.validation is not None,
-                                          fallback=self.fallback)
+        self.auto_prior = self.prior_variance == "auto"
+        auto = self.auto_prior or (self._regression and self.noise_variance == "auto")
+        self._strategy = resolve(self.hyper, family="glm", task=lik.task, auto=auto,
+                                 has_validation=data.validation is not None)
         if self.early_stopping and data.validation is None:
             raise ValueError(
                 "early_stopping=True needs rows the network did not fit: pass "
@@ -499,8 +488,8 @@ class GLMPosterior(Posterior):
         G = torch.zeros((K, K), dtype=torch.float64, device=data.device)
         fit_stat = 0.0  # residual sum of squares (regression) or log likelihood
         bar = data.progress(N, desc)
-        n_seen, next_check, bad = 0, self.search_freq, 0
-        best = None
+        n_seen, next_check = 0, self.search_freq
+        best, patience = None, Patience(self.n_iter_no_change)
         for x, y in data.batches(bs, order=order):
             df, b = _accumulate_batch(feats, lik, G, x, y)
             fit_stat += df
@@ -516,38 +505,42 @@ class GLMPosterior(Posterior):
                 except FloatingPointError:  # no finite candidate at this check
                     score = np.inf
                 self.history.append((n_seen, score))
-                if np.isfinite(score) and (best is None or score < best[0]):
-                    best = (score, G.clone(), n_seen, fit_stat, self._seen_trace)
-                    bad = 0
-                else:
-                    bad += 1
-                    if bad >= self.n_iter_no_change:
-                        break
+                if patience.update(score):
+                    best = (G.clone(), n_seen, fit_stat, self._seen_trace)
+                elif patience.stop:
+                    break
         if bar is not None:
             bar.close()
         if best is None:
             raise FloatingPointError(
                 "early stopping: the held-out NLL was not finite at any check; check "
                 "the validation data and the network's outputs on it")
-        _, G, n_seen, fit_stat, self._seen_trace = best
+        G, n_seen, fit_stat, self._seen_trace = best
         return G, fit_stat, n_seen
 
     def _held_out_score(self, data, G, prior_scale, fit_stat, n_seen):
-        """Held-out NLL of the posterior of the rows seen so far (early stopping)."""
-        import warnings
-
+        """Held-out NLL of the posterior of the rows seen so far (early stopping): at the
+        objective's hyperparameters, calibrated on the held-out rows as :meth:`fit`'s
+        result will be (:meth:`~sklearn_lla._core.protocol.Posterior.calibrate`)."""
         self._match_complement(G, prior_scale)
         e, F = self._spectrum_factor(G)
+        val = data.validation
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", HyperparameterWarning)
             res = self._objective(data, e, F, prior_scale, fit_stat, n_seen, warn=False)
-            if self._regression and self.noise_variance == "auto" and res.strategy != "validation":
-                _, _, trace = self._noise_profile(
-                    data.validation, e, F, prior_scale, warn=False,
-                    anchor=(res.prior_variance, res.noise_variance))
-                return trace["best_score"]
-        if res.strategy == "validation":
-            return res.trace["best_score"]
+            if self._strategy_obj().uses_held_out:
+                return res.trace["best_score"]
+            if self._regression and self.noise_variance == "auto":
+                def score(s0s, s2s):
+                    return self._score_eig(val, e, F, prior_scale, s0s, s2s)
+
+                s0, s2 = res.prior_variance, res.noise_variance
+                if not self.auto_prior:
+                    trace = cal.calibrate_noise_refit(score, s0, self._base_noise(val),
+                                                      warn=False)[1]
+                    return trace["best_score"]
+                return cal.rescaled_nll(lambda c: float(score([c * s0], [c * s2])[0]),
+                                        self._n_outputs)
         s2 = res.noise_variance if self._regression else None
         if e is None:
             A, _ = self._cholesky_factor(F, res.prior_variance, s2, prior_scale)
@@ -593,83 +586,68 @@ class GLMPosterior(Posterior):
         evidence with curvature only in ``span(V)``, where the ``P - K`` terms cancel)."""
         return 0 if self.residual_correction else self.features.n_outside
 
-    def _spectrum(self, e, prior_scale, fit_stat, n_seen):
-        """The keyword arguments of :func:`select_from_spectrum` for this spectrum."""
+    def _context(self, e, prior_scale, fit_stat, n_seen, warn=True):
+        """The :class:`~sklearn_lla._core.hyper.HyperContext` of this spectrum."""
         feats = self.features
-        return dict(eigvals=None if e is None else e.cpu().numpy(),
-                    theta_sq_norm=feats.theta_sq_norm,
-                    data_fit=fit_stat, n_obs=n_seen * self._n_outputs,
-                    n_params=feats.lin.n_params, n_outside=self._n_outside,
-                    prior_scale=prior_scale)
+        return HyperContext(
+            prior_variance=self.prior_variance,
+            noise_variance=self.noise_variance if self._regression else None,
+            eigvals=None if e is None else e.cpu().numpy(),
+            theta_sq_norm=feats.theta_sq_norm, data_fit=fit_stat,
+            n_obs=n_seen * self._n_outputs, n_params=feats.lin.n_params,
+            n_outside=self._n_outside, prior_scale=prior_scale, warn=warn)
+
+    def _strategy_obj(self):
+        """The strategy object of :attr:`_strategy`."""
+        return strategy(self._strategy, validation=self.validation_grid)
+
+    def _base_noise(self, val):
+        """The network's mean squared residual on the held-out rows ``val``."""
+        bs = min(val.batch_size, self.features.max_batch(val.n_outputs))
+        sq, cnt = val.reduce(validation_residuals, self.features.lin, bs)
+        return max(float(sq) / max(cnt, 1), 1e-12)
 
     def _objective(self, data, e, T, prior_scale, fit_stat, n_seen, warn=True):
         """The strategy's hyperparameters on the spectrum ``e`` (no held-out rows used,
-        except by the ``validation`` strategy when asked for by name)."""
+        except by a strategy that scores them, when asked for by name)."""
         feats = self.features
-        s2 = self.noise_variance if self._regression else None
-        kw = dict(self._spectrum(e, prior_scale, fit_stat, n_seen), warn=warn)
-        if self._strategy != "validation":
-            return select_from_spectrum(self._strategy, self.prior_variance, s2, **kw)
-        val = data.validation
-        base_noise = None
-        if self._regression:
-            bs = min(val.batch_size, feats.max_batch(data.n_outputs))
-            sq, cnt = val.reduce(validation_residuals, feats.lin, bs)
-            base_noise = max(float(sq) / max(cnt, 1), 1e-12)
+        ctx = self._context(e, prior_scale, fit_stat, n_seen, warn)
+        strat = self._strategy_obj()
+        if strat.uses_held_out:
+            val = data.validation
 
-        def score(s0s, s2s):  # the grid: every (s0, s2) combination
-            a, b = np.meshgrid(np.asarray(s0s, float), np.asarray(s2s, float), indexing="ij")
-            return self._score_eig(val, e, T, prior_scale, a.ravel(),
-                                   b.ravel()).reshape(a.shape)
+            def score(s0s, s2s):  # the grid: every (s0, s2) combination
+                a, b = np.meshgrid(np.asarray(s0s, float), np.asarray(s2s, float),
+                                   indexing="ij")
+                return self._score_eig(val, e, T, prior_scale, a.ravel(),
+                                       b.ravel()).reshape(a.shape)
 
-        return select_from_spectrum(
-            "validation", self.prior_variance, s2, score=score, grid=self.validation_grid,
-            base_prior=max(feats.theta_sq_norm / max(feats.lin.n_params, 1), 1e-12),
-            base_noise=base_noise, **kw)
+            ctx = replace(ctx, score=score,
+                          base_prior=max(feats.theta_sq_norm / max(feats.lin.n_params, 1),
+                                         1e-12),
+                          base_noise=self._base_noise(val) if self._regression else None)
+        return strat.select(ctx)
 
     # ---------------------------------------------------------------- calibration
-    def _noise_profile(self, val, e, T, prior_scale, warn=True, anchor=None):
-        """:class:`~sklearn_lla._core.hyper.HeldOutNoise` on this spectrum: one scale of
-        ``anchor`` for an ``"auto"`` prior, else the noise under the fixed prior."""
-        feats = self.features
-        bs = min(val.batch_size, feats.max_batch(val.n_outputs))
-        sq, cnt = val.reduce(validation_residuals, feats.lin, bs)
-        base_noise = max(float(sq) / max(cnt, 1), 1e-12)
-        return self.held_out_noise.select(
-            lambda s2: float(self.prior_variance),  # used only for a fixed prior
-            score=lambda s0s, s2s: self._score_eig(val, e, T, prior_scale, s0s, s2s),
-            base_noise=base_noise, warn=warn, anchor=anchor if self._auto_prior else None)
+    #: The posterior at ``(c s0^2, c s2)`` is ``c`` times this one, and is refitted for
+    #: a candidate noise from the one eigendecomposition.
+    rescalable = True
+    refits_noise = True
 
-    def calibrate(self, validation, *, noise, temperature, generator=None):
-        """Calibrate on held-out rows; regression: one scale of the objective's pair.
+    def rescale(self, c):
+        """Move to ``(c s0^2, c s2)``."""
+        self._set_hyperparameters(self.likelihood, c * self.prior_variance,
+                                  c * float(self.likelihood.noise_variance))
 
-        Regression (``noise``): :class:`~sklearn_lla._core.hyper.HeldOutNoise`: with the
-        prior chosen by the objective, the exact rescaling ``(c s0^2, c s2)`` of its
-        pair with the held-out NLL's best ``c`` (the posterior at the rescaled pair is
-        ``c`` times the objective's: its shape is kept); with a fixed prior variance,
-        the noise variance alone. Classification: the generic temperature of
-        :meth:`~sklearn_lla._core.protocol.Posterior.calibrate`.
+    def held_out_pairs(self, validation):
+        """Held-out NLL per ``(s0^2, s2)`` pair on this spectrum, and the base noise."""
+        return (lambda s0s, s2s: self._score_eig(validation, self.eigvals, self._factor,
+                                                 self.prior_scale, s0s, s2s),
+                self._base_noise(validation))
 
-        Parameters
-        ----------
-        validation : FitData
-            Rows the network did not fit.
-        noise, temperature : bool
-            Which scalar may be calibrated.
-        generator : torch.Generator, optional
-            Random source (temperature calibration).
-        """
-        if not self._regression:
-            return super().calibrate(validation, noise=noise, temperature=temperature,
-                                     generator=generator)
-        if not noise:
-            return None
-        s0, s2, trace = self._noise_profile(
-            validation, self.eigvals, self._factor, self.prior_scale,
-            anchor=(self.prior_variance, float(self.likelihood.noise_variance)))
-        self._set_hyperparameters(self.likelihood, s0, s2)
-        self.hyper_trace = {**(self.hyper_trace or {}), "calibration": trace}
-        return None
+    def refit_noise(self, noise_variance):
+        """Refit at ``noise_variance`` (the prior variance kept)."""
+        self._set_hyperparameters(self.likelihood, self.prior_variance, noise_variance)
 
     # ---------------------------------------------------------------- prediction
     def _noise(self):

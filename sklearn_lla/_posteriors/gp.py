@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from .._core.hyper import Fixed, VariationalEnergy
+from .._core.hyper import Fixed, HyperContext, VariationalEnergy, select
 from .._core.linalg import cholesky
 from .._core.optim import minibatches, minimize
 from .._core.protocol import LatentPredictive, Posterior
@@ -351,6 +351,14 @@ class FixedMeanGPPosterior(Posterior):
     fitted_attributes = ("prior_variance", "likelihood", "hyper_strategy", "hyper_trace",
                          "inducing_inputs", "inducing_outputs", "n_iter", "kernel")
 
+    #: The strategy named when nothing is learned (the kernel's values kept);
+    #: :meth:`make_kernel` may set another that keeps them (``"weight_norm"``).
+    fixed_strategy = Fixed.name
+
+    #: The calibration's hundreds of held-out NLL evaluations are small tensor
+    #: operations, as a step is (:data:`FIT_THREADS`).
+    calibration_threads = FIT_THREADS
+
     def __init__(self, *, n_inducing=100, covariance="full", noise_variance="auto", alpha=1.0,
                  learning_rate=1e-3, max_iter=5000, batch_size=100, early_stopping=True,
                  validation_freq=100, n_iter_no_change=5, learn_inducing=True,
@@ -483,14 +491,14 @@ class FixedMeanGPPosterior(Posterior):
         regression = lik.task == "regression"
         gen = data.generator
         dev = data.device
+        # -- the model: inducing inputs, kernel, factor, noise ----------------------------
         Z0, cz0 = init_inducing(data, self.n_inducing, self.random_state)
         Z = torch.tensor(Z0, dtype=torch.float64, device=dev,
                          requires_grad=self.learn_inducing)
         cz = torch.as_tensor(cz0, device=dev)
         kernel = self.make_kernel(data, Z, cz)
-        M = Z.shape[0]
-        L_raw = torch.eye(M, dtype=torch.float64, device=dev, requires_grad=True)
-        log_noise = None
+        L_raw = torch.eye(Z.shape[0], dtype=torch.float64, device=dev, requires_grad=True)
+        log_noise = fixed_noise = None
         if regression:
             if isinstance(self.noise_variance, str):
                 log_noise = torch.tensor(math.log(self._initial_noise(data, gen)),
@@ -498,70 +506,23 @@ class FixedMeanGPPosterior(Posterior):
             else:
                 fixed_noise = torch.tensor(float(self.noise_variance), dtype=torch.float64,
                                            device=dev)
-        elik = self._energy_likelihood(lik)
-        n_total = data.n_samples
         params = [L_raw, *kernel.parameters(), *self.extra_parameters()]
         if self.learn_inducing:
             params.append(Z)
         if log_noise is not None:
             params.append(log_noise)
+        # -- the objective (on the live tensors), the start, the checks, the loop ----------
+        objective = _VariationalObjective(self, data, kernel, Z, cz, L_raw, log_noise,
+                                          fixed_noise)
         self.start(data, kernel, Z, cz, L_raw, log_noise)
-
-        def noise():
-            if not regression:
-                return None
-            return torch.exp(log_noise) if log_noise is not None else fixed_noise
-
-        subspace = self.covariance == "subspace"
-
-        def prior_terms(Kzz):
-            """``(Kzz used by A and the KL, its Cholesky factor or None, terms)``."""
-            if not subspace:
-                return Kzz, None, variational_terms(Kzz, L_raw)
-            Kzz = subspace_gram(Kzz)
-            return Kzz, self.subspace_cholesky(kernel, Z, Kzz), variational_terms(Kzz, L_raw)
-
-        def cov_of(Kxx, Kxz, chol, terms):
-            prior = Kxx if chol is None else nystrom_blocks(Kxz, chol)
-            return latent_cov(prior, Kxz @ terms.W.T)
-
-        def loss_fn(batch):
-            x, y = batch
-            Kzz, Kxz, Kxx = kernel.batch(x, Z, cz)
-            Kzz, chol, terms = prior_terms(Kzz)
-            cov = cov_of(Kxx, Kxz, chol, terms)
-            mean = self._mean(data.lin, x)
-            eps = None
-            if self._needs_eps(elik):
-                eps = torch.randn((self.n_energy_samples, *mean.shape), generator=gen,
-                                  dtype=torch.float64).to(dev)
-            s2 = noise()
-            e = alpha_energy(elik, mean, cov, y, alpha=self.alpha,
-                             noise=self.mean_term_noise(s2), eps=eps)
-            loss = -e.mean() + terms.kl / n_total
-            extra = self.extra_loss(x=x, y=y, n_total=n_total, kernel=kernel, Kzz=Kzz,
-                                    terms=terms, Kxx=Kxx, Kxz=Kxz, cov=cov, noise=s2)
-            return loss if extra is None else loss + extra
-
-        validation = self.monitor(kernel, Z, cz, L_raw, noise)  # the objective itself
+        validation = self.monitor(kernel, Z, cz, L_raw, objective.noise)  # the objective
         val = data.validation
         if self.stopping == "auto" and val is not None and val.n_samples > 0:
-            def validation():
-                _, chol, terms = prior_terms(kernel.gram(Z, cz))
-                total = 0.0
-                for x, y in val.batches(max(val.batch_size, 256)):
-                    Kxz, Kxx = kernel.cross_and_diag(x, Z, cz)
-                    cov = cov_of(Kxx, Kxz, chol, terms)
-                    mean = self._mean(data.lin, x)
-                    lp = (alpha_energy(lik, mean, cov, y, alpha=1.0, noise=noise())
-                          if regression else lik.log_predictive(mean, cov, y))
-                    total -= float(lp.sum())
-                return total / val.n_samples
-
+            validation = objective.held_out_nll
         freq = self.validation_freq
         if freq == "auto":
             freq = AUTO_CHECK_FREQ["exact" if callable(validation) else "loss"]
-        res = minimize(loss_fn, params, minibatches(data, self.batch_size, gen),
+        res = minimize(objective.loss, params, minibatches(data, self.batch_size, gen),
                        max_iter=self.max_iter, lr=self.learning_rate,
                        validation=validation if self.early_stopping else None,
                        validation_freq=freq,
@@ -569,32 +530,18 @@ class FixedMeanGPPosterior(Posterior):
                        n_iter_no_change=self.n_iter_no_change, tol=self.tol,
                        check_start=callable(validation), verbose=data.verbose,
                        desc=f"{self._display_name()}: fitting")
-        # -- freeze ------------------------------------------------------------------
+        # -- publish -----------------------------------------------------------------------
         self.freeze(data.lin, kernel, Z, cz, L_raw)
         self.n_iter = int(res.n_iter)
         self.prior_variance = float(kernel.prior_variance)
-        s2 = float(noise().detach()) if regression else None
+        s2 = float(objective.noise().detach()) if regression else None
         self.likelihood = lik.with_noise(s2) if regression else lik
         trace = {**res.as_dict(), "kl": float(self._kl)}
-        learned = regression and log_noise is not None
-        if learned or kernel.parameters():
-            r = VariationalEnergy().result(self.prior_variance, s2, trace)
-        else:
-            r = Fixed().select(self.prior_variance, s2)
-            r.trace = trace
+        learned = (regression and log_noise is not None) or kernel.parameters()
+        r = select(VariationalEnergy.name if learned else self.fixed_strategy,
+                   HyperContext(self.prior_variance, s2, history=trace))
         self.hyper_strategy, self.hyper_trace = r.strategy, r.trace
         return self
-
-    def calibrate(self, validation, *, noise, temperature, generator=None):
-        """The generic calibration (:meth:`Posterior.calibrate`), on :data:`FIT_THREADS`.
-
-        Its hundreds of held-out NLL evaluations are small tensor operations: with two
-        threads on a loaded 2-core machine the temperature search on 360 digits rows
-        took 9.2 s (``torch.sqrt`` of a 360 x 10 tensor: 5.5 ms).
-        """
-        with torch_threads(FIT_THREADS):
-            return super().calibrate(validation, noise=noise, temperature=temperature,
-                                     generator=generator)
 
     def freeze(self, lin, kernel, Z, cz, L_raw):
         """Fix the fitted state: the network, the kernel, ``Z``, ``cz`` and ``L``.
@@ -677,3 +624,77 @@ class FixedMeanGPPosterior(Posterior):
         if "_L" in state:
             with torch.no_grad():
                 self._build_predictor()
+
+
+class _VariationalObjective:
+    """The fixed-mean GP's minibatch objective and its held-out score, at the live
+    (trainable) ``Z``, ``L_raw``, kernel and noise of one ``fit``.
+
+    ``loss(batch)``: ``-mean alpha-energy + KL / N`` (plus the posterior's
+    :meth:`~FixedMeanGPPosterior.extra_loss`); ``held_out_nll()``: the mean NLL of the
+    current predictive on the held-out rows (early stopping's score).
+    """
+
+    def __init__(self, post, data, kernel, Z, cz, L_raw, log_noise, fixed_noise):
+        self.post, self.data, self.kernel = post, data, kernel
+        self.Z, self.cz, self.L_raw = Z, cz, L_raw
+        self.log_noise, self.fixed_noise = log_noise, fixed_noise
+        self.regression = data.likelihood.task == "regression"
+        self.elik = post._energy_likelihood(data.likelihood)
+        self.subspace = post.covariance == "subspace"
+
+    def noise(self):
+        """The noise variance in use (a tensor; ``None`` for classification)."""
+        if not self.regression:
+            return None
+        return torch.exp(self.log_noise) if self.log_noise is not None else self.fixed_noise
+
+    def prior_terms(self, Kzz):
+        """``(Kzz used by A and the KL, its Cholesky factor or None, terms)``."""
+        if not self.subspace:
+            return Kzz, None, variational_terms(Kzz, self.L_raw)
+        Kzz = subspace_gram(Kzz)
+        return (Kzz, self.post.subspace_cholesky(self.kernel, self.Z, Kzz),
+                variational_terms(Kzz, self.L_raw))
+
+    @staticmethod
+    def cov_of(Kxx, Kxz, chol, terms):
+        """The latent covariance blocks of a batch."""
+        prior = Kxx if chol is None else nystrom_blocks(Kxz, chol)
+        return latent_cov(prior, Kxz @ terms.W.T)
+
+    def loss(self, batch):
+        """The minibatch objective (a differentiable scalar)."""
+        post, data = self.post, self.data
+        x, y = batch
+        Kzz, Kxz, Kxx = self.kernel.batch(x, self.Z, self.cz)
+        Kzz, chol, terms = self.prior_terms(Kzz)
+        cov = self.cov_of(Kxx, Kxz, chol, terms)
+        mean = post._mean(data.lin, x)
+        eps = None
+        if post._needs_eps(self.elik):
+            eps = torch.randn((post.n_energy_samples, *mean.shape), generator=data.generator,
+                              dtype=torch.float64).to(data.device)
+        s2 = self.noise()
+        e = alpha_energy(self.elik, mean, cov, y, alpha=post.alpha,
+                         noise=post.mean_term_noise(s2), eps=eps)
+        n_total = data.n_samples
+        loss = -e.mean() + terms.kl / n_total
+        extra = post.extra_loss(x=x, y=y, n_total=n_total, kernel=self.kernel, Kzz=Kzz,
+                                terms=terms, Kxx=Kxx, Kxz=Kxz, cov=cov, noise=s2)
+        return loss if extra is None else loss + extra
+
+    def held_out_nll(self):
+        """Mean NLL of the current predictive on the held-out rows."""
+        post, data, lik = self.post, self.data, self.data.likelihood
+        val = data.validation
+        _, chol, terms = self.prior_terms(self.kernel.gram(self.Z, self.cz))
+        total = 0.0
+        for x, y in val.batches(max(val.batch_size, 256)):
+            Kxz, Kxx = self.kernel.cross_and_diag(x, self.Z, self.cz)
+            cov = self.cov_of(Kxx, Kxz, chol, terms)
+            mean = post._mean(data.lin, x)
+            lp = (alpha_energy(lik, mean, cov, y, alpha=1.0, noise=self.noise())
+                  if self.regression else lik.log_predictive(mean, cov, y))
+            total -= float(lp.sum())
+        return total / val.n_samples

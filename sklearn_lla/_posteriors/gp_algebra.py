@@ -8,15 +8,14 @@ the torch thread limit the engine fits and predicts under.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .._core.linalg import cholesky
+from .._core.utils import torch_threads
 
 __all__ = [
     "COVARIANCES",
@@ -45,40 +44,6 @@ KMEANS_MAX_ROWS = 20_000
 #: are busy its spinning workers wait for cores (``benchmarks/bench_valla.py``: one
 #: thread is faster even on an idle machine, and 10-70 x faster on a loaded one).
 FIT_THREADS = 1
-
-_THREADS_LOCK = threading.Lock()
-_THREADS_STATE = {"depth": 0, "before": None}
-
-
-@contextlib.contextmanager
-def torch_threads(n: int):
-    """Run the block with at most ``n`` torch intra-op threads, then restore the setting.
-
-    Re-entrant and safe across threads (several fits or predictions at once): the
-    first block to enter records the setting and lowers it, the last one to leave
-    restores it. Like scikit-learn's ``threadpool_limits`` inside ``fit``, the limit
-    is process-wide while any such block runs. ``n <= 0`` does nothing.
-    """
-    if n <= 0:
-        yield
-        return
-    with _THREADS_LOCK:
-        if _THREADS_STATE["depth"] == 0:
-            before = torch.get_num_threads()
-            _THREADS_STATE["before"] = before
-            if n < before:
-                torch.set_num_threads(n)
-        _THREADS_STATE["depth"] += 1
-    try:
-        yield
-    finally:
-        with _THREADS_LOCK:
-            _THREADS_STATE["depth"] -= 1
-            if _THREADS_STATE["depth"] == 0:
-                if torch.get_num_threads() != _THREADS_STATE["before"]:
-                    torch.set_num_threads(_THREADS_STATE["before"])
-                _THREADS_STATE["before"] = None
-
 
 # ---------------------------------------------------------------------------------
 # The M x M algebra

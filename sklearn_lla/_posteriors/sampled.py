@@ -31,10 +31,11 @@ Antoran et al. (ICLR 2023), nothing ``P x P`` or ``NC x NC`` is ever formed:
   (``n_em_samples="auto"``: 16, grown to the count that brings the error to 5 %) and
   only the final E-step solves all ``K``: on a 20,000-row problem with
   ``P = 98,801`` a step with ``K + 1 = 65`` tangents costs 8 times one with 9. Classification:
-  ``s0^2 = ||theta_hat / s||^2 / P`` (``"weight_norm"``, as exact LLA's classifier): for
-  a network that fits its training rows (the usual case) the softmax curvature there
-  vanishes and the EM fixed point is 15-200 times this value, far under-confident
-  (measured in ``docs/sampled.md``); ``hyper="em"`` still runs the paper's EM.
+  ``s0^2 = ||theta_hat / s||^2 / P`` (``"weight_norm"``, the objective table's
+  :data:`~sklearn_lla._core.hyper.OBJECTIVE`): for a network that fits its training
+  rows (the usual case) the softmax curvature there vanishes and the EM fixed point
+  is a far broader prior, under-confident (``docs/sampled.md``); ``hyper="em"`` still
+  runs the paper's EM.
 * **Held-out rows** (rows the network did not fit) are used after ``fit`` only, by
   :meth:`SampledLLAPosterior.calibrate`: regression rescales the whole predictive by
   the exact rescaling ``(c s0^2, c s2)`` (the samples at ``(c s0^2, c s2)`` are
@@ -61,14 +62,15 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from sklearn.exceptions import ConvergenceWarning
 
-from .._core.hyper import EM, Fixed, HyperResult, ValidationGrid, WeightNorm, resolve_strategy
+from .._core.hyper import EM, HyperContext, HyperResult, ValidationGrid, resolve, strategy
 from .._core.likelihoods import mc_seed, uses_mc_link
-from .._core.optim import minibatches, minimize
+from .._core.optim import Patience, minibatches, minimize
 from .._core.protocol import LatentPredictive, Posterior, validation_residuals
 from .._network.linearized import stack_flat
 
@@ -84,9 +86,9 @@ G_PRIOR_FLOOR = 1e-4
 _CHECK_FREQ = 50
 
 #: ``max_iter="auto"``: conjugate-gradient iterations (full data passes) / Adam steps
-#: per E-step. CG stops at its tolerance and usually needs 150-300 iterations on the
-#: bundled data sets (one friedman1 split needed 304), so its cap only bounds a
-#: pathological run; Adam runs all of its steps.
+#: per E-step. CG stops at its tolerance, well before its cap on the bundled data sets
+#: (``docs/sampled.md``): the cap only bounds a pathological run. Adam runs all of
+#: its steps.
 AUTO_ITERATIONS = {"cg": 1000, "adam": 300}
 
 #: Largest number of batches in a full data pass for which ``solver="auto"`` uses
@@ -112,9 +114,43 @@ NOISE_GRID = np.logspace(-1, 1, 21)
 _SCAN_FRACTION = 0.25
 
 #: The scan stops after this many candidates in a row scoring worse than the best by
-#: more than ``_SCAN_TOL`` (relative).
+#: more than ``_SCAN_SLACK`` (relative; :class:`~sklearn_lla._core.optim.Patience`).
 _SCAN_PATIENCE = 2
-_SCAN_TOL = 1e-3
+_SCAN_SLACK = 1e-3
+
+
+@dataclass
+class _EStepState:
+    """What the E-steps of one ``fit`` share (warm starts between them).
+
+    Attributes
+    ----------
+    theta_hat : Tensor (P,)
+        The network's parameters.
+    with_mode : bool
+        Whether the linear model's mode is solved for too (regression, EM).
+    eps0 : Tensor (K, P)
+        The prior draws ``eps_0`` (whitened).
+    S : Tensor (K, P)
+        ``sum_n J_n^T A_n eps_n``, the data part of the samples' targets.
+    q : Tensor (P,) or None
+        The mode's data vector (:meth:`SampledLLAPosterior._perturbation_pass`).
+    Z : Tensor (K, P)
+        The current samples ``zeta_k``.
+    delta : Tensor (P,)
+        The mode's offset ``theta_bar - theta_hat``.
+    sigma : Tensor (P,)
+        The prior std ``s0 s`` of the current samples.
+    """
+
+    theta_hat: torch.Tensor
+    with_mode: bool
+    eps0: torch.Tensor | None = None
+    S: torch.Tensor | None = None
+    q: torch.Tensor | None = None
+    Z: torch.Tensor | None = None
+    delta: torch.Tensor | None = None
+    sigma: torch.Tensor | None = None
 
 
 class _HandGradient(torch.autograd.Function):
@@ -303,32 +339,32 @@ class SampledLLAPosterior(Posterior):
         """``diag(sum_n J_n^T Lam_n J_n)`` (float64), a row-sum pass."""
         return data.reduce(_ggn_diag_sums, (data.lin, data.likelihood, data.n_outputs))[0]
 
-    def _perturbation_pass(self, data, lik):
+    def _perturbation_pass(self, st, data, lik):
         """``S = sum_n J_n^T A_n eps_n`` for K fresh ``eps_n ~ N(0, I)`` (K, P).
 
-        With ``self._with_mode`` the same pass also returns the linear model's data
+        With ``st.with_mode`` the same pass also returns the linear model's data
         vector ``q = sum_n J_n^T (Lam_n J_n theta_hat + d log p(y_n | g_n) / dg)``
         (the mode solves ``(sum_n J_n^T Lam_n J_n + A) theta_bar = q``); else ``None``.
         """
         lin, K, C = data.lin, self.n_posterior_samples, data.n_outputs
-        M = K + 1 if self._with_mode else K
+        M = K + 1 if st.with_mode else K
         S = torch.zeros((M, lin.n_params), dtype=_F64, device=data.device)
         gen = data.generator
-        th = self._theta_hat[None]
+        th = st.theta_hat[None]
         for x, y in data.batches():
             eps = torch.randn((x.shape[0], K, C), dtype=_F64, generator=gen).to(data.device)
-            if self._with_mode:
+            if st.with_mode:
                 g, jt = lin.jvp(x, th)
                 g, jt = g.to(_F64), jt.to(_F64)[..., 0]
             else:
                 g = lin.forward(x).to(_F64)
             A = lik.lam_factor(g)
             cot = torch.einsum("bcd,bkd->kbc", A, eps)
-            if self._with_mode:
+            if st.with_mode:
                 m = torch.einsum("bcd,bd->bc", A, torch.einsum("bcd,bc->bd", A, jt))
                 cot = torch.cat([cot, (m + lik.grad(g, y))[None]])
             S += stack_flat(lin.vjp(x, cot), lin.names).to(_F64)
-        return (S[:K], S[K]) if self._with_mode else (S, None)
+        return (S[:K], S[K]) if st.with_mode else (S, None)
 
     def _statistics(self, data, lik, delta, Z):
         """One row-sum pass: the per-sample ``q_k`` (``gamma = mean(q)``, the
@@ -341,23 +377,24 @@ class SampledLLAPosterior(Posterior):
         sq, n = data.validation.reduce(validation_residuals, data.lin)
         return max(sq / max(n, 1), 1e-12)
 
-    def _validation_nll(self, data, lik, factors, s2_ref, seed):
+    def _validation_nll(self, st, data, lik, factors, s2_ref, seed):
         """Mean validation NLL of the current samples, rescaled by each factor ``c``.
 
         A row-sum pass (per partition on dask validation data); see
         :func:`_validation_nll_sums`.
         """
-        payload = (data.lin, self._Z, lik, self._regression,
+        payload = (data.lin, st.Z, lik, self._regression,
                    np.asarray(factors, dtype=np.float64), s2_ref, seed)
         total, n = data.validation.reduce(_validation_nll_sums, payload)
         out = total.cpu().numpy() / max(n, 1)
         return np.where(np.isfinite(out), out, np.inf)
 
     def _strategy(self, data, fit_prior, fit_noise):
-        return resolve_strategy(self.hyper, auto=fit_prior or fit_noise,
-                                has_validation=data.validation is not None,
-                                fallback="em" if self._regression else "weight_norm",
-                                allowed=STRATEGIES)
+        """The strategy object choosing the ``"auto"`` values."""
+        name = resolve(self.hyper, family="sampled", task=data.likelihood.task,
+                       auto=fit_prior or fit_noise, has_validation=data.validation is not None,
+                       allowed=STRATEGIES)
+        return strategy(name, validation=self.validation_grid, em=EM(self.n_em_steps))
 
     def _schedule(self):
         """``"auto"`` is ``"cosine"`` (see the class docstring)."""
@@ -383,9 +420,9 @@ class SampledLLAPosterior(Posterior):
             return AUTO_ITERATIONS[self._solver(data)]
         return self.max_iter
 
-    def _e_step(self, data, lik, sigma, desc, max_iter=None, k=None):
+    def _e_step(self, st, data, lik, sigma, desc, max_iter=None, k=None):
         """Solve for the first ``k`` samples (all by default) and the mode at prior std
-        ``sigma``; updates state.
+        ``sigma``; updates ``st``.
 
         Warm start: the samples keep their prior-whitened coordinates ``u = z / sigma``
         (exact in the directions the data does not constrain, where ``u = eps_0`` for
@@ -395,12 +432,12 @@ class SampledLLAPosterior(Posterior):
         """
         max_iter = max_iter or self._iterations(data)
         k = self.n_posterior_samples if k is None else int(k)
-        U = self._Z / self._sigma  # the start, in whitened coordinates
-        B = self._eps0[:k] + sigma * self._S[:k]  # the samples' targets u_n
+        U = st.Z / st.sigma  # the start, in whitened coordinates
+        B = st.eps0[:k] + sigma * st.S[:k]  # the samples' targets u_n
         solve = self._cg_e_step if self._solver(data) == "cg" else self._adam_e_step
-        out, U[:k] = solve(data, lik, sigma, desc, max_iter, U[:k], B)
-        self._Z = sigma * U
-        self._sigma = sigma
+        out, U[:k] = solve(st, data, lik, sigma, desc, max_iter, U[:k], B)
+        st.Z = sigma * U
+        st.sigma = sigma
         return out
 
     def _partial_e_step(self, *args, **kwargs):
@@ -421,7 +458,7 @@ class SampledLLAPosterior(Posterior):
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         return cut
 
-    def _cg_e_step(self, data, lik, sigma, desc, max_iter, X, B):
+    def _cg_e_step(self, st, data, lik, sigma, desc, max_iter, X, B):
         """Conjugate gradients on ``(I + sigma G sigma) u = b``, all columns.
 
         ``G = sum_n J_n^T Lam_n J_n`` (one full data pass per iteration, all columns
@@ -433,19 +470,17 @@ class SampledLLAPosterior(Posterior):
         samples' whitened start and ``B`` their right-hand sides; returns the trace and
         the whitened samples ``u_1..u_k``, and sets the mode.
         """
-        if self._with_mode:
-            B = torch.cat([(sigma * self._q)[None], B])
-            X = torch.cat([((self._theta_hat + self._delta) / sigma)[None], X])
+        if st.with_mode:
+            B = torch.cat([(sigma * st.q)[None], B])
+            X = torch.cat([((st.theta_hat + st.delta) / sigma)[None], X])
 
         def op(V):
             (D,) = data.reduce(_ggn_product_sums, (data.lin, lik, V * sigma))
             return V + sigma * D
 
         # No preconditioner: a Jacobi one (diag(G) estimated from the perturbations)
-        # measured 3-4 x more iterations on the test problems (and no convergence in 300
-        # on friedman1, where plain CG takes 263), and made the iterates far more
-        # sensitive to rounding (a 1e-15 relative perturbation of
-        # the products moved the std by 7e-3 after 20 iterations, against 1e-5 without).
+        # needed more iterations and made the iterates far more sensitive to rounding
+        # (docs/sampled.md).
         tiny = torch.finfo(_F64).tiny
         bnorm = B.norm(dim=1).clamp_min(tiny)
         R = B - op(X)
@@ -476,23 +511,23 @@ class SampledLLAPosterior(Posterior):
             warnings.warn(f"{self.name}: {desc}: conjugate gradients reached max_iter="
                           f"{max_iter} with a relative residual of {rel:.2g} > tol={self.tol:g}; "
                           "increase max_iter", ConvergenceWarning, stacklevel=4)
-        if self._with_mode:
-            self._delta = sigma * X[0] - self._theta_hat
+        if st.with_mode:
+            st.delta = sigma * X[0] - st.theta_hat
             X = X[1:]
         self.n_iter.append(it)
         return {"solver": "cg", "n_iter": it, "relative_residual": rel,
                 "converged": rel <= self.tol}, X
 
-    def _adam_e_step(self, data, lik, sigma, desc, max_iter, U, U_n):
+    def _adam_e_step(self, st, data, lik, sigma, desc, max_iter, U, U_n):
         """Minibatch Adam on the same objective (:func:`sklearn_lla._core.optim.minimize`)
         from the whitened start ``U`` towards the targets ``U_n``; returns the trace and
         the whitened samples ``u_1..u_k``, and sets the mode."""
         lin, N = data.lin, data.n_samples
-        m = 1 if self._with_mode else 0
-        w_hat = self._theta_hat / sigma
+        m = 1 if st.with_mode else 0
+        w_hat = st.theta_hat / sigma
         cols = [U]
         if m:
-            cols.insert(0, (self._delta / sigma)[None])
+            cols.insert(0, (st.delta / sigma)[None])
         V = torch.cat(cols).requires_grad_(True)
         M = V.shape[0]
 
@@ -531,57 +566,56 @@ class SampledLLAPosterior(Posterior):
                        lr_schedule=self._schedule())
         V = V.detach()
         if m:
-            self._delta = (V[0] * sigma).clone()
+            st.delta = (V[0] * sigma).clone()
         self.n_iter.append(res.n_iter)
         return {"solver": "adam", **res.as_dict()}, V[m:]
 
     # ------------------------------------------------------------ hyperparameters
-    def _validation_scan(self, data, lik, scale, base, s2_ref, fit_prior, fit_noise):
-        """Choose ``"auto"`` values by validation NLL (``hyper="validation"`` only)."""
+    def _validation_scan(self, st, data, lik, scale, base, s2_ref, fit_prior, fit_noise,
+                         grid):
+        """Choose ``"auto"`` values by validation NLL over ``grid`` (``hyper="validation"``
+        only): each prior a warm-started E-step, each rescaling of it scored."""
         if not fit_prior:  # a given prior: s2 is the mean squared validation residual
-            return HyperResult(float(self.prior_variance), s2_ref, "validation",
+            return HyperResult(float(self.prior_variance), s2_ref, grid.name,
                                {"noise_variance": np.array([s2_ref])})
-        grid = self.validation_grid
         s0s = base * np.sort(np.asarray(grid.prior_grid, dtype=np.float64))
         factors = np.asarray(grid.noise_grid, dtype=np.float64) if fit_noise else np.ones(1)
         scan_iter = max(1, math.ceil(self._iterations(data) * _SCAN_FRACTION))
-        scores, best, bad = [], None, 0
+        scores, best = [], None
+        patience = Patience(_SCAN_PATIENCE, slack=_SCAN_SLACK)
         seed = mc_seed(lik, data.generator)  # common random numbers across the scan
-        self._sigma = math.sqrt(s0s[0]) * scale
-        self._Z = self._eps0 * self._sigma
+        st.sigma = math.sqrt(s0s[0]) * scale
+        st.Z = st.eps0 * st.sigma
         for i, s0 in enumerate(s0s):
-            self._partial_e_step(data, lik, math.sqrt(s0) * scale,
+            self._partial_e_step(st, data, lik, math.sqrt(s0) * scale,
                                  f"validation scan {i + 1}/{len(s0s)}", scan_iter)
-            row = self._validation_nll(data, lik, factors, s2_ref, seed)
+            row = self._validation_nll(st, data, lik, factors, s2_ref, seed)
             scores.append(row)
             j = int(np.argmin(row))
-            if best is None or row[j] < best[0]:
-                best, bad = (row[j], i, j, self._delta.clone(), self._Z.clone()), 0
-            elif row[j] > best[0] + _SCAN_TOL * abs(best[0]):
-                bad += 1
-                if bad >= _SCAN_PATIENCE:
-                    break
-            else:  # within the tolerance of the best: not a clearly worse candidate
-                bad = 0
-        score, i, j, self._delta, self._Z = best
-        if not np.isfinite(score):
+            if patience.update(float(row[j])):
+                best = (i, j, st.delta.clone(), st.Z.clone())
+            elif patience.stop:
+                break
+        if best is None:
             raise FloatingPointError(
                 "the validation NLL is not finite for any candidate hyperparameter")
+        score = patience.best
+        i, j, st.delta, st.Z = best
         c = float(factors[j])
-        self._Z *= math.sqrt(c)  # exact samples at (c s0^2, c s2): same draws
-        self._sigma = self._sigma * math.sqrt(c)
-        self._S /= math.sqrt(c)  # Lam^(1/2) = I / sqrt(c s2)
-        if self._q is not None:
-            self._q /= c
+        st.Z *= math.sqrt(c)  # exact samples at (c s0^2, c s2): same draws
+        st.sigma = st.sigma * math.sqrt(c)
+        st.S /= math.sqrt(c)  # Lam^(1/2) = I / sqrt(c s2)
+        if st.q is not None:
+            st.q /= c
         tried = s0s[:len(scores)]
         s2s = None if s2_ref is None else s2_ref * factors
-        ValidationGrid._warn_edges(i, j, s0s, factors, "auto", "auto" if fit_noise else 1.0)
+        ValidationGrid.warn_edges(i, j, s0s, factors, "auto", "auto" if fit_noise else 1.0)
         trace = {"prior_variance": tried, "noise_variance": s2s,
                  "rescaled_prior_variance": np.outer(tried, factors),
                  "score": np.asarray(scores), "best_score": float(score),
                  "scan_iter": scan_iter}
         return HyperResult(float(s0s[i] * c), None if s2_ref is None else float(s2_ref * c),
-                           "validation", trace)
+                           grid.name, trace)
 
     # --------------------------------------------------------------------- fit
     def fit(self, data):
@@ -589,7 +623,7 @@ class SampledLLAPosterior(Posterior):
         lin, lik = data.lin, data.likelihood
         N, C, P, K = data.n_samples, data.n_outputs, lin.n_params, self.n_posterior_samples
         self._regression = self.noise_variance is not None
-        self._theta_hat = lin.flat_params().to(_F64)
+        theta_hat = lin.flat_params().to(_F64)
         scale = torch.ones(P, dtype=_F64, device=data.device)
         if self.g_prior:
             d = self._ggn_diag(data)
@@ -598,13 +632,13 @@ class SampledLLAPosterior(Posterior):
         self.prior_scale = scale
         fit_prior = self.prior_variance == "auto"
         fit_noise = self._regression and self.noise_variance == "auto"
-        strategy = self._strategy(data, fit_prior, fit_noise)
-        theta_sq = float((self._theta_hat / scale).pow(2).sum())
+        strat = self._strategy(data, fit_prior, fit_noise)
+        theta_sq = float((theta_hat / scale).pow(2).sum())
         base = max(theta_sq / P, 1e-12)
         s0 = base if fit_prior else max(float(self.prior_variance), 1e-12)
         noise_source = None
         if fit_noise:
-            if strategy == "validation":
+            if strat.uses_held_out:
                 s2, noise_source = self._validation_noise(data), "validation"
             else:  # the MacKay update starts from the network's training residuals
                 r2 = sum(float((y - lin.forward(x).to(_F64)).pow(2).sum())
@@ -616,53 +650,49 @@ class SampledLLAPosterior(Posterior):
             lik = lik.with_noise(s2)
         else:
             s2 = None
-        self._with_mode = self._regression or strategy == "em"
-        self._eps0 = torch.randn((K, P), dtype=_F64, generator=data.generator).to(data.device)
-        self._S, self._q = self._perturbation_pass(data, lik)
-        self._delta = torch.zeros(P, dtype=_F64, device=data.device)
-        self._sigma = math.sqrt(s0) * scale
-        self._Z = self._eps0 * self._sigma
+        st = _EStepState(theta_hat, self._regression or strat.needs_mode)
+        st.eps0 = torch.randn((K, P), dtype=_F64, generator=data.generator).to(data.device)
+        st.S, st.q = self._perturbation_pass(st, data, lik)
+        st.delta = torch.zeros(P, dtype=_F64, device=data.device)
+        st.sigma = math.sqrt(s0) * scale
+        st.Z = st.eps0 * st.sigma
         self.n_iter = []
-        if strategy == "validation":
-            result = self._validation_scan(data, lik, scale, base, s2, fit_prior, fit_noise)
-            s0, s2 = result.prior_variance, result.noise_variance
-            if self._regression:
-                lik = lik.with_noise(s2)
-        elif strategy == "weight_norm" and not fit_noise:
-            result = WeightNorm().select(self.prior_variance, s2, theta_sq_norm=theta_sq,
-                                         n_params=P)
-            s0 = result.prior_variance
-        elif strategy in ("em", "weight_norm"):  # weight_norm: the EM noise update only
-            prior_em = fit_prior and strategy == "em"
-            result, lik = self._em(data, lik, scale, s0, s2, prior_em, fit_noise)
-            s0, s2 = result.prior_variance, result.noise_variance
-            if strategy == "weight_norm":
-                result.strategy = "weight_norm"
-        else:
-            result = Fixed().select(s0, s2)
+        ctx = HyperContext(
+            prior_variance="auto" if fit_prior else s0,
+            noise_variance="auto" if fit_noise else s2, theta_sq_norm=theta_sq, n_params=P,
+            start=(s0, s2), em_step=self._em_step(st, data, lik, scale, fit_prior, fit_noise),
+            # weight_norm's "auto" noise: the EM noise update under its prior
+            noise_update=lambda prior: EM(self.n_em_steps).select(HyperContext(
+                prior, "auto", start=(prior, s2),
+                em_step=self._em_step(st, data, lik, scale, False, True))),
+            scan=lambda grid: self._validation_scan(st, data, lik, scale, base, s2, fit_prior,
+                                                    fit_noise, grid))
+        result = strat.select(ctx)
+        s0, s2 = result.prior_variance, result.noise_variance
         if self._regression:
-            result.trace["noise_source"] = noise_source
+            lik = lik.with_noise(s2)
+        trace = dict(result.trace)
+        if self._regression:
+            trace["noise_source"] = noise_source
         # final E-step at the chosen hyperparameters (perturbations rescaled, warm start)
-        res = self._e_step(data, lik, math.sqrt(s0) * scale, "posterior samples")
-        if strategy == "validation" and fit_prior and fit_noise:
-            s0, s2, lik = self._refit_scale(data, lik, s0, s2, result.trace)
-        gamma = float(self._statistics(data, lik, self._delta, self._Z)[0].mean())
-        result.trace["optimisation"] = res
-        result.trace["solver"] = self._solver(data)
-        if result.trace["solver"] == "adam":
-            result.trace["lr_schedule"] = self._schedule()
+        res = self._e_step(st, data, lik, math.sqrt(s0) * scale, "posterior samples")
+        if strat.uses_held_out and fit_prior and fit_noise:
+            s0, s2, lik = self._refit_scale(st, data, lik, s0, s2, trace)
+        gamma = float(self._statistics(data, lik, st.delta, st.Z)[0].mean())
+        trace["optimisation"] = res
+        trace["solver"] = self._solver(data)
+        if trace["solver"] == "adam":
+            trace["lr_schedule"] = self._schedule()
         self.prior_variance = float(s0)
         self.likelihood = lik
-        self.hyper_strategy, self.hyper_trace = result.strategy, result.trace
-        self.samples = self._Z
-        self.mode = self._theta_hat + self._delta if self._with_mode else None
+        self.hyper_strategy, self.hyper_trace = result.strategy, trace
+        self.samples = st.Z
+        self.mode = st.theta_hat + st.delta if st.with_mode else None
         self.effective_dim = gamma
         self.lin = lin
-        for name in ("_eps0", "_S", "_q", "_Z", "_delta", "_theta_hat", "_sigma"):
-            delattr(self, name)
         return self
 
-    def _refit_scale(self, data, lik, s0, s2, trace):
+    def _refit_scale(self, st, data, lik, s0, s2, trace):
         """Re-choose the exact rescaling ``(c s0^2, c s2)`` with the final samples.
 
         The scan scored samples after ``max_iter * 0.25`` steps; the final E-step
@@ -670,12 +700,12 @@ class SampledLLAPosterior(Posterior):
         rows with the samples that are kept, so that the predictive is the one scored.
         """
         factors = np.asarray(self.validation_grid.noise_grid, dtype=np.float64)
-        row = self._validation_nll(data, lik, factors, s2, mc_seed(lik, data.generator))
+        row = self._validation_nll(st, data, lik, factors, s2, mc_seed(lik, data.generator))
         j = int(np.argmin(row))
         if not np.isfinite(row[j]):
             raise FloatingPointError("the validation NLL of the final samples is not finite")
         c = float(factors[j])
-        self._Z *= math.sqrt(c)
+        st.Z *= math.sqrt(c)
         trace.update(final_factor=c, final_score=float(row[j]))
         return s0 * c, s2 * c, lik.with_noise(s2 * c)
 
@@ -701,81 +731,46 @@ class SampledLLAPosterior(Posterior):
             return k
         return min(K, math.ceil(k * (rse / EM_GAMMA_RSE) ** 2))
 
-    def _em(self, data, lik, scale, s0, s2, fit_prior, fit_noise):
-        """The paper's EM: ``n_em_steps`` (E-step, M-step) pairs, on the first
-        ``k`` samples (:meth:`_em_samples`, :meth:`_next_em_samples`)."""
+    def _em_step(self, st, data, lik, scale, fit_prior, fit_noise):
+        """The paper's EM step (E-step, M-step) for :class:`~sklearn_lla._core.hyper.EM`,
+        on the first ``k`` samples (:meth:`_em_samples`, :meth:`_next_em_samples`)."""
         N, C = data.n_samples, data.n_outputs
-        state = {"s2": s2, "lik": lik, "k": self._em_samples()}
+        state = {"lik": lik, "k": self._em_samples()}
 
-        def step(prior_variance):
+        def step(prior_variance, s2):
             it, k = len(self.n_iter) + 1, state["k"]
-            cut = self._partial_e_step(data, state["lik"], math.sqrt(prior_variance) * scale,
+            cut = self._partial_e_step(st, data, state["lik"],
+                                       math.sqrt(prior_variance) * scale,
                                        f"EM step {it}/{self.n_em_steps}", k=k)
-            q, rss = self._statistics(data, state["lik"], self._delta, self._Z[:k])
+            q, rss = self._statistics(data, state["lik"], st.delta, st.Z[:k])
             gamma = float(q.mean())
             state["k"] = self._next_em_samples(k, q)
-            w_sq = float(((self._theta_hat + self._delta) / scale).pow(2).sum())
+            w_sq = float(((st.theta_hat + st.delta) / scale).pow(2).sum())
             info = {"effective_dim": gamma, "mode_sq_norm": w_sq, "n_iter": self.n_iter[-1],
                     "n_samples": k, "cut_at_max_iter": cut}
             new = max(w_sq / max(gamma, 1e-12), 1e-12) if fit_prior else prior_variance
             if fit_noise:
                 s2_new = max(rss / max(N * C - gamma, 1.0), 1e-12)
-                self._S *= math.sqrt(state["s2"] / s2_new)  # Lam^(1/2) = I / sqrt(s2)
-                self._q *= state["s2"] / s2_new  # q = J^T (J theta_hat + y - g) / s2
-                state["s2"], state["lik"] = s2_new, state["lik"].with_noise(s2_new)
+                st.S *= math.sqrt(s2 / s2_new)  # Lam^(1/2) = I / sqrt(s2)
+                st.q *= s2 / s2_new  # q = J^T (J theta_hat + y - g) / s2
+                s2, state["lik"] = s2_new, state["lik"].with_noise(s2_new)
                 info["noise_variance"] = s2_new
             info["prior_variance"] = new
-            return new, info
+            return new, s2, info
 
-        result = EM(self.n_em_steps).run(step, s0, s2)
-        result.noise_variance = state["s2"]
-        return result, state["lik"]
+        return step
 
     # ------------------------------------------------------------ calibration
-    def calibrate(self, validation, *, noise, temperature, generator=None):
-        """Calibrate on held-out rows, keeping the posterior exact.
+    #: The samples at ``(c s0^2, c s2)`` are ``sqrt(c)`` times those at ``(s0^2, s2)``
+    #: with the same draws: held-out rows fit that scale (a fixed prior included).
+    rescalable = True
 
-        Regression (when ``noise``): the exact rescaling ``(c s0^2, c s2)`` of the
-        fitted model, ``c`` the held-out maximum likelihood scale
-        ``c = (1 / (n C)) sum_i r_i^T (S_i + s2 I)^-1 r_i`` (``r_i`` the network's
-        held-out residual, ``S_i`` the latent covariance): the samples become
-        ``sqrt(c)`` times what they were, which is exactly the posterior at
-        ``(c s0^2, c s2)`` with the same draws, so the ratio ``s2 / s0^2`` that EM chose
-        (and with it the shape of the predictive: how much wider it is off the data)
-        is kept and only its overall scale is fitted. It cannot delete the
-        posterior. Classification: the generic temperature
-        (:meth:`~sklearn_lla._core.protocol.Posterior.calibrate`).
-
-        Parameters
-        ----------
-        validation : FitData
-            Rows the network did not fit.
-        noise, temperature : bool
-            Which scalar may be calibrated (only ``"auto"`` ones are).
-        generator : torch.Generator, optional
-            Random source of a row subset and of Monte Carlo draws.
-        """
-        if self.likelihood.task != "regression":
-            return super().calibrate(validation, noise=noise, temperature=temperature,
-                                     generator=generator)
-        if not noise:
-            return None
-        from .._core.calibration import held_out_predictive
-
-        mean, cov, y = held_out_predictive(self, validation, generator=generator)
-        s2 = float(self.likelihood.noise_variance)
-        n, C = mean.shape
-        r = y.reshape(mean.shape).to(_F64) - mean
-        tot = cov + s2 * torch.eye(C, dtype=_F64)
-        q = torch.linalg.solve(tot, r.unsqueeze(-1)).squeeze(-1)
-        c = max(float((r * q).sum()) / (n * C), 1e-12)
+    def rescale(self, c):
+        """Move to ``(c s0^2, c s2)``: the samples times ``sqrt(c)``, the ratio
+        ``s2 / s0^2`` chosen by EM (and the predictive's shape) kept."""
         self.samples = self.samples * math.sqrt(c)
         self.prior_variance = float(self.prior_variance) * c
-        self.likelihood = self.likelihood.with_noise(s2 * c)
-        self.hyper_trace = {**(self.hyper_trace or {}), "calibration": {
-            "method": "exact_rescaling", "factor": c, "n_rows": int(n),
-            "noise_variance_before": s2, "noise_variance": s2 * c}}
-        return None
+        self.likelihood = self.likelihood.with_noise(float(self.likelihood.noise_variance) * c)
 
     # ---------------------------------------------------------------- predict
     def predict(self, x):

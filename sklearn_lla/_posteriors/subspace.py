@@ -40,7 +40,13 @@ import numpy as np
 import torch
 from scipy.optimize import minimize_scalar
 
-from .._core.hyper import Evidence, HyperparameterWarning, HyperResult, glm_log_evidence
+from .._core.hyper import (
+    Evidence,
+    HyperContext,
+    HyperparameterWarning,
+    HyperResult,
+    glm_log_evidence,
+)
 from .._core.linalg import dense_inverse, safe_eigh
 from .._core.protocol import check_finite_outputs, to_batch
 from .._network.curvature import (
@@ -299,8 +305,8 @@ class SubspacePosterior(GLMPosterior):
     noise_variance : float, "auto" or None
     hyper : {"auto", "evidence", "validation", "weight_norm"}, default="auto"
         Strategy for ``"auto"`` values on the subspace model
-        (:func:`~sklearn_lla._core.hyper.resolve_strategy`); ``"auto"`` is
-        ``fallback``. The projector's ``Psi_approx`` is built with the KFAC evidence's
+        (:func:`~sklearn_lla._core.hyper.resolve`); ``"auto"`` is the GLM family's
+        objective for the task. The projector's ``Psi_approx`` is built with the KFAC evidence's
         hyperparameters (the paper's choice) when KFAC supports the network.
     n_subset : int or "auto", default="auto"
         Size of the training subset ``X'`` of the low-rank and optimal projectors
@@ -317,8 +323,6 @@ class SubspacePosterior(GLMPosterior):
         :func:`lowrank_directions`). ``"auto"``: ``"kfac"`` for the low-rank
         projectors built on training rows of a network with the structured Jacobian
         backend (``True`` on others), off for the subset and optimal projectors.
-    fallback : {"evidence", "weight_norm"}, default="evidence"
-        The objective behind ``hyper="auto"``.
     """
 
     fitted_attributes = GLMPosterior.fitted_attributes + (
@@ -327,11 +331,9 @@ class SubspacePosterior(GLMPosterior):
 
     def __init__(self, projector, subspace_dim="auto", prior_variance="auto",
                  noise_variance=None, hyper="auto", n_subset="auto", subspace_X=None,
-                 swag_learning_rate=1e-2, swag_n_steps=100, residual_correction="auto",
-                 fallback="evidence"):
+                 swag_learning_rate=1e-2, swag_n_steps=100, residual_correction="auto"):
         super().__init__(None, prior_variance, noise_variance, hyper=hyper,
-                         residual_correction=residual_correction, label="subspace Laplace",
-                         fallback=fallback)
+                         residual_correction=residual_correction, label="subspace Laplace")
         self.projector = projector
         self.subspace_dim = subspace_dim
         self.n_subset = n_subset
@@ -376,7 +378,7 @@ class SubspacePosterior(GLMPosterior):
             stat = self._fit_statistic(lin, data)
             self._kfac_fit = dict(eigvals=kfac.eigvals(), theta_sq_norm=theta_sq,
                                   data_fit=stat, n_obs=N * C, n_params=P)
-            res = Evidence().select(s0, s2, **self._kfac_fit)
+            res = Evidence().select(HyperContext(s0, s2, **self._kfac_fit))
             self._kfac_result = res
             return res.prior_variance, res.noise_variance
         s0p = float(s0) if s0 != "auto" else max(theta_sq / max(P, 1), 1e-12)
@@ -389,7 +391,8 @@ class SubspacePosterior(GLMPosterior):
         return s0p, s2p
 
     def _directions(self, data):
-        lin, lik = data.lin, data.likelihood
+        """The projector's rows ``V`` (:data:`_LOWRANK` / :data:`_SUBSET`)."""
+        lin = data.lin
         lin64 = float64_view(lin)
         name = self.projector
         s = self.subspace_dim if self.subspace_dim == "auto" else int(self.subspace_dim)
@@ -406,46 +409,24 @@ class SubspacePosterior(GLMPosterior):
             except UnsupportedKFAC:
                 if name == "lowrank-kfac":
                     raise
-        self.projector_curvature = {
-            "lowrank-kfac": kfac.description if kfac is not None else None,
-            "lowrank-diag": "exact diagonal GGN", "subset-diagonal": "exact diagonal GGN",
-            "optimal": "full GGN"}.get(name)
+        self.projector_curvature = _CURVATURE.get(name)
+        if name == "lowrank-kfac":
+            self.projector_curvature = kfac.description
         s0, s2 = self._hyper_for_projector(lin, data, kfac)
         self.projector_prior_variance, self.projector_noise_variance = s0, s2
-        scale = 1.0 / s2 if s2 is not None else 1.0
+        inputs = _ProjectorInputs(self, data, lin64, kfac, s0, s2,
+                                  1.0 / s2 if s2 is not None else 1.0)
         self.projector_eigvals = None
         self.subset_indices = getattr(self, "subset_indices", None)
-        if name in ("lowrank-kfac", "lowrank-diag", "optimal"):
-            if name == "lowrank-kfac":
-                psi = kfac.inverse(s0, s2)
-            elif name == "lowrank-diag":
-                var = 1.0 / (ggn_diagonal(lin64, data) * scale + 1.0 / s0)
-
-                def psi(T):
-                    return T * var[:, None]
-            else:
-                H = full_ggn(lin64, data) * scale
-                H.diagonal().add_(1.0 / s0)
-                Sigma = dense_inverse(H)
-                del H
-
-                def psi(T):
-                    return Sigma @ T
-            Xs = self._subset_inputs(data)
-            V, lam = lowrank_directions(lin64, Xs, data.n_outputs, psi, s, data.batch_size,
+        if name in _LOWRANK:
+            psi = _LOWRANK[name](inputs)
+            V, lam = lowrank_directions(lin64, self._subset_inputs(data), data.n_outputs,
+                                        psi, s, data.batch_size,
                                         row_space=bool(self.residual_correction),
                                         generator=data.generator)
             self.projector_eigvals = lam
             return V
-        if name == "subset-magnitude":
-            scores = lin64.flat_params().abs()
-        elif name == "subset-diagonal":
-            scores = 1.0 / (ggn_diagonal(lin64, data) * scale + 1.0 / s0)
-        else:  # subset-swag
-            lk = lik.with_noise(s2) if s2 is not None else lik
-            scores = swag_variances(lin, data, lk, s0, self.swag_learning_rate,
-                                    self.swag_n_steps, data.generator)
-        return subset_directions(scores, s)
+        return subset_directions(_SUBSET[name](inputs), s)
 
     # ---------------------------------------------------------------- fitting
     def fit(self, data):
@@ -486,19 +467,18 @@ class SubspacePosterior(GLMPosterior):
         with warnings.catch_warnings():
             if not warn:
                 warnings.simplefilter("ignore", HyperparameterWarning)
-            return Evidence().select("auto", float(s2), **self._kfac_fit).prior_variance
+            return Evidence().select(HyperContext("auto", float(s2), **self._kfac_fit)
+                                     ).prior_variance
 
     def _objective(self, data, e, T, prior_scale, fit_stat, n_seen, warn=True):
         """The GLM strategy, or on the KFAC ridge: ``s0^2 = s0_KFAC(s2)`` and an ``"auto"``
         noise maximising the subspace model's own evidence along that ridge."""
         if not self._kfac_ridge:
             return super()._objective(data, e, T, prior_scale, fit_stat, n_seen, warn=warn)
-        kw = self._spectrum(e, prior_scale, fit_stat, n_seen)
-        kw.pop("n_params")
-        kw.pop("prior_scale")
+        kw = self._context(e, prior_scale, fit_stat, n_seen).evidence_kwargs
         if self.noise_variance != "auto":
             s2 = float(self.noise_variance)
-            return HyperResult(self._kfac_prior_at(s2, warn) * prior_scale, s2, "evidence",
+            return HyperResult(self._kfac_prior_at(s2, warn) * prior_scale, s2, Evidence.name,
                                {"noise_variance": np.array([s2])})
 
         ridge = {}  # u -> the KFAC prior at s2 = exp(u), each solved once
@@ -521,7 +501,7 @@ class SubspacePosterior(GLMPosterior):
         trace.pop("at_edge", None)
         s0 = self._kfac_prior_at(s2, warn)
         trace["prior_variance"] = np.array([ridge[u] for u in trace.pop("log_grid")])
-        return HyperResult(s0 * prior_scale, s2, "evidence", trace)
+        return HyperResult(s0 * prior_scale, s2, Evidence.name, trace)
 
     def _inside_trace(self):
         """``tr((V^T V)^-1 V^T G V)``: the GGN's trace inside ``span(P)``."""
@@ -569,6 +549,74 @@ class SubspacePosterior(GLMPosterior):
                               self._fit_stat, self.n_seen)
         self._set_hyperparameters(data.likelihood, res.prior_variance, res.noise_variance)
         self.hyper_strategy, self.hyper_trace = res.strategy, res.trace
+
+
+class _ProjectorInputs:
+    """What a projector reads: the posterior, the data, the float64 view, KFAC, and
+    the ``(s0^2, s2)`` of ``Psi_approx`` (``scale = 1 / s2``, 1 for classification)."""
+
+    def __init__(self, post, data, lin64, kfac, s0, s2, scale):
+        self.post, self.data, self.lin64, self.kfac = post, data, lin64, kfac
+        self.s0, self.s2, self.scale = s0, s2, scale
+
+
+def _psi_kfac(p):
+    """``Psi_approx``: the KFAC posterior covariance."""
+    return p.kfac.inverse(p.s0, p.s2)
+
+
+def _psi_diag(p):
+    """``Psi_approx``: the diagonal-GGN posterior covariance."""
+    var = 1.0 / (ggn_diagonal(p.lin64, p.data) * p.scale + 1.0 / p.s0)
+
+    def psi(T):
+        return T * var[:, None]
+
+    return psi
+
+
+def _psi_optimal(p):
+    """``Psi_approx``: the dense posterior covariance (the optimal projector)."""
+    H = full_ggn(p.lin64, p.data) * p.scale
+    H.diagonal().add_(1.0 / p.s0)
+    Sigma = dense_inverse(H)
+    del H
+
+    def psi(T):
+        return Sigma @ T
+
+    return psi
+
+
+def _scores_magnitude(p):
+    """Subset scores: ``|theta_hat|``."""
+    return p.lin64.flat_params().abs()
+
+
+def _scores_diagonal(p):
+    """Subset scores: the diagonal-GGN posterior variances."""
+    return 1.0 / (ggn_diagonal(p.lin64, p.data) * p.scale + 1.0 / p.s0)
+
+
+def _scores_swag(p):
+    """Subset scores: SWAG's marginal variances."""
+    lik = p.data.likelihood
+    lk = lik.with_noise(p.s2) if p.s2 is not None else lik
+    return swag_variances(p.data.lin, p.data, lk, p.s0, p.post.swag_learning_rate,
+                          p.post.swag_n_steps, p.data.generator)
+
+
+#: Low-rank projectors: ``Psi_approx`` (a function ``T -> Psi T``) whose top
+#: directions on the training Jacobians span the subspace.
+_LOWRANK = {"lowrank-kfac": _psi_kfac, "lowrank-diag": _psi_diag, "optimal": _psi_optimal}
+
+#: Subset projectors: per-parameter scores, the top ``s`` parameters kept.
+_SUBSET = {"subset-magnitude": _scores_magnitude, "subset-diagonal": _scores_diagonal,
+           "subset-swag": _scores_swag}
+
+#: The curvature each projector reads (``lowrank-kfac``: KFAC's own description).
+_CURVATURE = {"lowrank-diag": "exact diagonal GGN", "subset-diagonal": "exact diagonal GGN",
+              "optimal": "full GGN"}
 
 
 def _profile_search(f, a, b, n_grid=41):

@@ -35,6 +35,7 @@ import math
 import numpy as np
 import torch
 
+from .._core.hyper import OBJECTIVE, Fixed, VariationalEnergy
 from .._core.linalg import cholesky
 from .complement import DiagonalComplement, row_subset
 from .gp import (
@@ -274,12 +275,14 @@ class VaLLAPosterior(FixedMeanGPPosterior):
         x0, _ = data.rows(np.arange(1))
         theta = lin.flat_params().to(_F64)
         self.theta_sq = float(theta @ theta)
-        self._weight_norm = False
+        self.fixed_strategy = Fixed.name
         if isinstance(self.prior_setting, str):
             s0 = max(self.theta_sq / lin.n_params, 1e-8)
-            # classification: the weight-norm value, not learned (see the class notes)
-            learn = data.likelihood.task == "regression"
-            self._weight_norm = not learn
+            # the family's objective: learned (regression) or the weight norm, kept
+            objective = OBJECTIVE[("variational", data.likelihood.task)]
+            learn = objective == VariationalEnergy.name
+            if not learn:
+                self.fixed_strategy = objective
         else:
             s0, learn = float(self.prior_setting), False
         self.initial_prior_variance = s0
@@ -343,9 +346,6 @@ class VaLLAPosterior(FixedMeanGPPosterior):
         self.hyper_trace = {**self.hyper_trace, "kl": float(self._kl) + mean_kl,
                             "kl_covariance": float(self._kl), "kl_mean": mean_kl,
                             "start": self.start_trace}
-        if self._weight_norm:
-            self.hyper_strategy = "weight_norm"
-            self.hyper_trace["prior_variance"] = np.array([self.prior_variance])
         for name in ("_Z_fit", "_cz_fit", "_chol1", "_v1"):
             self.__dict__.pop(name, None)
         self.kernel.__dict__.pop("_z_cache", None)
@@ -416,23 +416,38 @@ class VaLLAPosterior(FixedMeanGPPosterior):
         ``||theta||^2 / P``, a factor 5 to 200 from the optimum on the calibration
         sets and the gap toy).
         """
-        from scipy.optimize import minimize as scipy_minimize
-
         self._Z_fit, self._cz_fit = Z, cz  # what extra_loss evaluates the mean term at
         self._chol1 = self._v1 = None  # the fixed-Z constants of this fit
         if self.init == "identity":
             self.start_trace = {"init": "identity"}
             return
-        lik = data.likelihood
-        regression = lik.task == "regression"
-        subspace = self.covariance == "subspace"
-        learn_s0, learn_s2 = kernel.learn_prior, log_noise is not None
         C, M, N = data.n_outputs, Z.shape[0], data.n_samples
         n = int(min(N, START_ROWS, max(1, START_ELEMENTS // max(1, C * M))))
         perm = np.random.default_rng(self.random_state + 1).permutation(N)
         idx = np.sort(perm[:n])
         # the monitor scores rows the start did not fit, when there are any
         idx_mon = np.sort(perm[n:2 * n]) if N > n else idx
+        sub = self._start_factor(data, kernel, Z, cz, idx)
+        gen = torch.Generator().manual_seed(self.random_state + 2)
+        sub["elik"] = self._energy_likelihood(data.likelihood)
+        sub["eps"] = None
+        if self._needs_eps(sub["elik"]):
+            sub["eps"] = torch.randn((self.n_energy_samples, n, C), generator=gen,
+                                     dtype=_F64).to(sub["mean"].device)
+        trace = self._start_search(data, kernel, L_raw, log_noise, sub)
+        trace["rows"] = n
+        self.start_trace = trace
+        if not Z.requires_grad:  # Z stays: precompute the monitor's kernel matrices
+            self._monitor_cache(data, kernel, Z, cz, idx, idx_mon, sub, gen)
+            trace["monitor_rows"] = len(idx_mon)
+
+    def _start_factor(self, data, kernel, Z, cz, idx):
+        """The optimal factor ``L1`` (at unit ``kappa``) on the start rows ``idx``, with
+        the kernel matrices there in units of ``s0^2`` (see :meth:`start`)."""
+        lik = data.likelihood
+        regression = lik.task == "regression"
+        subspace = self.covariance == "subspace"
+        C, M, N, n = data.n_outputs, Z.shape[0], data.n_samples, len(idx)
         s0 = kernel.prior_variance
         with torch.no_grad():
             Kzz = kernel.gram(Z, cz) / s0  # every kernel matrix in units of s0^2
@@ -459,12 +474,20 @@ class VaLLAPosterior(FixedMeanGPPosterior):
                 mean_kl1 = 0.5 * float((w * w).sum())  # the mean term times s0^2
             else:
                 mean_kl1 = 0.5 * self.theta_sq
-        elik = self._energy_likelihood(lik)
-        eps = None
-        gen = torch.Generator().manual_seed(self.random_state + 2)
-        if self._needs_eps(elik):
-            eps = torch.randn((self.n_energy_samples, n, C), generator=gen,
-                              dtype=_F64).to(mean.device)
+        return dict(s0=s0, Kj=Kj, Lk=Lk, L1=L1, prior1=prior1, Kxz=Kxz, mean=mean, y=y,
+                    mean_kl1=mean_kl1)
+
+    def _start_search(self, data, kernel, L_raw, log_noise, sub):
+        """L-BFGS-B on ``log kappa`` (and the learned ``log s0^2``, ``log s2``) on the
+        start rows, written back into the kernel, ``log_noise`` and ``L_raw``."""
+        from scipy.optimize import minimize as scipy_minimize
+
+        regression = data.likelihood.task == "regression"
+        learn_s0, learn_s2 = kernel.learn_prior, log_noise is not None
+        N = data.n_samples
+        s0, Kj, L1, prior1, Kxz = sub["s0"], sub["Kj"], sub["L1"], sub["prior1"], sub["Kxz"]
+        mean, y, mean_kl1, elik, eps = (sub["mean"], sub["y"], sub["mean_kl1"], sub["elik"],
+                                        sub["eps"])
         fixed_s2 = float(self.noise_variance) if regression and not learn_s2 else None
         ls2_0 = (float(log_noise.detach()) if learn_s2 else
                  math.log(fixed_s2) if regression else 0.0)
@@ -497,7 +520,7 @@ class VaLLAPosterior(FixedMeanGPPosterior):
                 return 1e300, np.zeros(len(uv))
             return v, u.grad.numpy().copy()
 
-        trace = {"rows": n}
+        trace = {}
         u = np.asarray(u0, dtype=np.float64)
         res = scipy_minimize(objective, u, jac=True, method="L-BFGS-B",
                              bounds=[(v - 25.0, v + 25.0) for v in u],
@@ -516,21 +539,24 @@ class VaLLAPosterior(FixedMeanGPPosterior):
         trace["factor_scale"] = float(torch.exp(lk))
         if ls2 is not None:
             trace["noise_variance"] = float(torch.exp(ls2))
-        self.start_trace = trace
-        if not Z.requires_grad:  # Z stays: precompute the monitor's kernel matrices
-            if idx_mon is not idx:
-                with torch.no_grad():
-                    # in units of the kernel's prior variance now (the start has set it):
-                    # K(s0_new) / s0_new, as Kzz / s0 above was K(s0) / s0
-                    Kxz, Kxx, mean, y = self._rows_matrices(data, kernel, Z, cz, idx_mon,
-                                                            kernel.prior_variance)
-                    prior1 = nystrom_blocks(Kxz, Lk) if subspace else Kxx
-                if eps is not None:
-                    eps = torch.randn((self.n_energy_samples, len(idx_mon), C), generator=gen,
-                                      dtype=_F64).to(mean.device)
-            self._subset = dict(Kj=Kj, prior=prior1, Kxz=Kxz, mean=mean, y=y, eps=eps,
-                                elik=elik, mean_kl=mean_kl1, n_total=N)
-            trace["monitor_rows"] = len(idx_mon)
+        return trace
+
+    def _monitor_cache(self, data, kernel, Z, cz, idx, idx_mon, sub, gen):
+        """The monitor's kernel matrices on ``idx_mon`` (fixed ``Z``: computed once)."""
+        Kxz, prior1, mean, y, eps = sub["Kxz"], sub["prior1"], sub["mean"], sub["y"], sub["eps"]
+        if idx_mon is not idx:
+            with torch.no_grad():
+                # in units of the kernel's prior variance now (the start has set it):
+                # K(s0_new) / s0_new, as Kzz / s0 above was K(s0) / s0
+                Kxz, Kxx, mean, y = self._rows_matrices(data, kernel, Z, cz, idx_mon,
+                                                        kernel.prior_variance)
+                prior1 = (nystrom_blocks(Kxz, sub["Lk"]) if self.covariance == "subspace"
+                          else Kxx)
+            if eps is not None:
+                eps = torch.randn((self.n_energy_samples, len(idx_mon), data.n_outputs),
+                                  generator=gen, dtype=_F64).to(mean.device)
+        self._subset = dict(Kj=sub["Kj"], prior=prior1, Kxz=Kxz, mean=mean, y=y, eps=eps,
+                            elik=sub["elik"], mean_kl=sub["mean_kl1"], n_total=data.n_samples)
 
     def _rows_matrices(self, data, kernel, Z, cz, idx, s0):
         """``(Kxz, Kxx) / s0^2``, ``g`` and ``y`` at training rows ``idx`` (no graph)."""
