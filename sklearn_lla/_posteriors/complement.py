@@ -136,8 +136,12 @@ class KFACComplement:
         """``(mult, tau)``: ``Sigma = mult * (H_unit + tau I)^-1``."""
         mult = float(s2) if self.regression and s2 is not None else 1.0
         # after early stopping: the KFAC of the rows seen is ``fraction`` times the
-        # full data's (a random subset) and the prior precision ``fraction / s0^2``
-        return mult / self.fraction, mult / float(s0)
+        # full data's (a random subset) and the prior precision ``fraction / s0^2``.
+        # ``tau`` keys the cache of :meth:`_pieces`: rounded to 12 significant digits,
+        # so that a rescaled pair ``(c s0^2, c s2)`` (held-out calibration) finds the
+        # pieces of ``(s0^2, s2)`` instead of recomputing them for a last-bit change
+        tau = float(f"{mult / float(s0):.12g}")
+        return mult / self.fraction, tau
 
     def _weights(self, tau):
         """Per layer ``1 / (rho lam_G lam_A^T + tau)`` (out, in'): ``(rho H_KFAC + tau
