@@ -326,10 +326,22 @@ def test_subspace_covariance_against_the_dense_nystrom_formula(monkeypatch):
             at_x = post.predict(Z).cov[:, 0, 0].numpy()
             exact = np.diag(K - K @ np.linalg.solve(K + s2 * np.eye(len(X)), K))
             np.testing.assert_allclose(at_x, exact, rtol=1e-8, atol=1e-12)
-    with pytest.raises(ValueError, match="covariance"):
-        _Post(k, covariance="nystrom")
-    with pytest.raises(ValueError, match="stopping"):
-        _Post(k, stopping="held_out")
+
+
+@pytest.mark.parametrize("estimator, params", [
+    ("VaLLARegressor", {"covariance": "nystrom"}),
+    ("VaLLARegressor", {"stopping": "held_out"}),
+    ("VaLLARegressor", {"alpha": 1.5}),
+    ("FMGPRegressor", {"alpha": -0.1}),
+])
+def test_the_estimators_validate_the_engine_settings(estimator, params):
+    """``covariance``, ``stopping`` and ``alpha`` are validated once, by the estimator
+    (its ``_parameter_constraints``), before any work; the engine trusts them."""
+    import sklearn_lla
+
+    X, y = _data(20)
+    with pytest.raises(ValueError, match=next(iter(params))):
+        getattr(sklearn_lla, estimator)(**params).fit(X, y)
 
 
 def test_without_held_out_rows_early_stopping_watches_the_objective():

@@ -296,7 +296,9 @@ class FixedMeanGPPosterior(Posterior):
     """Sparse variational GP with the mean fixed to the network (VaLLA, FMGP).
 
     Subclasses implement :meth:`make_kernel`; FMGP adds :meth:`extra_loss` and
-    :meth:`extra_parameters`.
+    :meth:`extra_parameters`. The parameters are validated once, by the estimators'
+    ``_parameter_constraints`` (``VaLLARegressor``, ``FMGPRegressor``, ...); this
+    engine converts them and trusts their values.
 
     Parameters
     ----------
@@ -365,8 +367,6 @@ class FixedMeanGPPosterior(Posterior):
                  energy_link="probit", n_energy_samples=32, random_state=0,
                  tol=1e-3, stopping="auto", name=None):
         self.n_inducing = int(n_inducing)
-        if covariance not in COVARIANCES:
-            raise ValueError(f"covariance must be one of {COVARIANCES}, got {covariance!r}")
         self.covariance = covariance
         self.noise_variance = noise_variance
         self.alpha = float(alpha)
@@ -383,11 +383,7 @@ class FixedMeanGPPosterior(Posterior):
         self.random_state = int(random_state)
         self.tol = float(tol)
         self.name = name
-        if stopping not in ("auto", "objective"):
-            raise ValueError(f"stopping must be 'auto' or 'objective', got {stopping!r}")
         self.stopping = stopping
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
 
     # -- hooks ---------------------------------------------------------------------
     @abc.abstractmethod
