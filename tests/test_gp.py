@@ -26,10 +26,9 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn_lla._core.likelihoods import Bernoulli, Categorical, Gaussian
 from sklearn_lla._core.protocol import FitData
 from sklearn_lla._network.linearized import LinearizedNet
-from sklearn_lla._posteriors import gp, gp_algebra
-from sklearn_lla._posteriors.gp import (
-    FixedMeanGPPosterior,
-    Kernel,
+from sklearn_lla._posteriors import gp_algebra
+from sklearn_lla._posteriors.gp import FixedMeanGPPosterior, Kernel
+from sklearn_lla._posteriors.gp_algebra import (
     alpha_energy,
     init_inducing,
     latent_cov,
@@ -314,7 +313,7 @@ def test_subspace_covariance_against_the_dense_nystrom_formula(monkeypatch):
     L = torch.eye(len(X), dtype=torch.float64) / math.sqrt(s2)
     K = k._k(Z, Z).numpy()
     Ks = k._k(torch.as_tensor(Xs), Z).numpy()
-    for jitter in (0.0, gp.SUBSPACE_JITTER):
+    for jitter in (0.0, gp_algebra.SUBSPACE_JITTER):
         monkeypatch.setattr(gp_algebra, "SUBSPACE_JITTER", jitter)
         post = _Post(k, covariance="subspace").freeze(lin, k, Z, cz, L)
         Kj = K + jitter * np.mean(np.diag(K)) * np.eye(len(X))
@@ -382,7 +381,7 @@ def test_fit_runs_torch_on_one_thread_and_restores_the_setting():
         torch.set_num_threads(2)
         _Post(_Spy(), n_inducing=4, max_iter=3, early_stopping=False).fit(
             _fitdata(X, y, torch.nn.Sequential(_Sin())))
-        assert set(seen) == {gp.FIT_THREADS}
+        assert set(seen) == {gp_algebra.FIT_THREADS}
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
