@@ -681,9 +681,9 @@ class LaplaceClassifierMixin(ClassifierMixin, ConformalClassifierMixin, _Laplace
         Laplace predictive. It can differ from the network's own argmax on a few
         points: the link approximation scales each logit by its own latent variance
         (probit: ``g_c / sqrt(1 + pi/8 var_c)``), so a confident class with a large
-        variance can drop below a runner-up (measured on digits: accuracy 0.972 for the
-        network, 0.970 for the Laplace predictive). For the network's own decisions
-        use the network (``estimator.net_.predict``).
+        variance can drop below a runner-up (``docs/exact.md`` gives the measured
+        accuracies). For the network's own decisions use the network
+        (``estimator.net_.predict``).
 
         Parameters
         ----------

@@ -71,7 +71,7 @@ class ELLARegressor(_ELLAMixin, LaplaceRegressorMixin):
         ``K``, the number of eigenpairs kept. ``"auto"``: every numerically positive
         eigenvalue of the Nystrom Gram, at most ``max(20, 2**21 // P)`` (each
         component costs ``P`` multiply-adds per row at fit and predict; ``P`` is the
-        number of linearised parameters): 25 for a 3 x 200 MLP on 8 inputs.
+        number of linearised parameters; ``docs/ella.md`` gives typical values).
     prior_variance : float or "auto", default="auto"
         ``s0^2``. ``"auto"``: the Laplace evidence of the network's linearised model
         over the Nystrom spectrum (with all pairs and components it is exact LLA's
@@ -105,9 +105,8 @@ class ELLARegressor(_ELLAMixin, LaplaceRegressorMixin):
         KFAC (Kronecker-factored GGN) posterior projected on them,
         ``j_perp^T Sigma_KFAC j_perp``: at large ``N`` the top-``K`` Nystrom
         directions are those the data pin down and most of exact LLA's epistemic
-        variance lies outside them (``docs/fidelity.md``: at 10,000 rows ``False``
-        keeps 0.3 % of it, ``"kfac"`` 96 %); networks without the structured
-        Jacobian backend fall back to ``False``. ``True``: the prior variance,
+        variance lies outside them (measured in ``docs/ella.md``); networks without
+        the structured Jacobian backend fall back to ``False``. ``True``: the prior variance,
         ``s0^2 (k(x,x) - phi(x) phi(x)^T)`` (full-rank ELLA then equals exact LLA at
         every input; at large ``N`` it overshoots). ``False``: none (the paper's,
         formerly the default).

@@ -34,7 +34,7 @@ from sklearn_lla._posteriors.fmgp import (
     optimal_factor,
     qstar_initial_noise,
 )
-from sklearn_lla._posteriors.gp import variational_terms
+from sklearn_lla._posteriors.gp_algebra import variational_terms
 from sklearn_lla.kernels import RBF, ClassificationKernel, Kernel, median_heuristic
 from sklearn_lla.metrics import centered_quantile_metric, expected_calibration_error, gaussian_nll
 
@@ -375,7 +375,7 @@ def test_noise_gradient_comes_from_qstars_elbo_alone_and_the_rest_sees_it_held(m
     """
     import sklearn_lla._posteriors.gp as gp_mod
     from sklearn_lla._posteriors.fmgp import _qstar_weights
-    from sklearn_lla._posteriors.gp import alpha_energy, latent_cov
+    from sklearn_lla._posteriors.gp_algebra import alpha_energy, latent_cov
 
     seen = {}
     start = FMGPPosterior.start

@@ -26,10 +26,9 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn_lla._core.likelihoods import Bernoulli, Categorical, Gaussian
 from sklearn_lla._core.protocol import FitData
 from sklearn_lla._network.linearized import LinearizedNet
-from sklearn_lla._posteriors import gp, gp_algebra
-from sklearn_lla._posteriors.gp import (
-    FixedMeanGPPosterior,
-    Kernel,
+from sklearn_lla._posteriors import gp_algebra
+from sklearn_lla._posteriors.gp import FixedMeanGPPosterior, Kernel
+from sklearn_lla._posteriors.gp_algebra import (
     alpha_energy,
     init_inducing,
     latent_cov,
@@ -314,7 +313,7 @@ def test_subspace_covariance_against_the_dense_nystrom_formula(monkeypatch):
     L = torch.eye(len(X), dtype=torch.float64) / math.sqrt(s2)
     K = k._k(Z, Z).numpy()
     Ks = k._k(torch.as_tensor(Xs), Z).numpy()
-    for jitter in (0.0, gp.SUBSPACE_JITTER):
+    for jitter in (0.0, gp_algebra.SUBSPACE_JITTER):
         monkeypatch.setattr(gp_algebra, "SUBSPACE_JITTER", jitter)
         post = _Post(k, covariance="subspace").freeze(lin, k, Z, cz, L)
         Kj = K + jitter * np.mean(np.diag(K)) * np.eye(len(X))
@@ -326,10 +325,22 @@ def test_subspace_covariance_against_the_dense_nystrom_formula(monkeypatch):
             at_x = post.predict(Z).cov[:, 0, 0].numpy()
             exact = np.diag(K - K @ np.linalg.solve(K + s2 * np.eye(len(X)), K))
             np.testing.assert_allclose(at_x, exact, rtol=1e-8, atol=1e-12)
-    with pytest.raises(ValueError, match="covariance"):
-        _Post(k, covariance="nystrom")
-    with pytest.raises(ValueError, match="stopping"):
-        _Post(k, stopping="held_out")
+
+
+@pytest.mark.parametrize("estimator, params", [
+    ("VaLLARegressor", {"covariance": "nystrom"}),
+    ("VaLLARegressor", {"stopping": "held_out"}),
+    ("VaLLARegressor", {"alpha": 1.5}),
+    ("FMGPRegressor", {"alpha": -0.1}),
+])
+def test_the_estimators_validate_the_engine_settings(estimator, params):
+    """``covariance``, ``stopping`` and ``alpha`` are validated once, by the estimator
+    (its ``_parameter_constraints``), before any work; the engine trusts them."""
+    import sklearn_lla
+
+    X, y = _data(20)
+    with pytest.raises(ValueError, match=next(iter(params))):
+        getattr(sklearn_lla, estimator)(**params).fit(X, y)
 
 
 def test_without_held_out_rows_early_stopping_watches_the_objective():
@@ -370,7 +381,7 @@ def test_fit_runs_torch_on_one_thread_and_restores_the_setting():
         torch.set_num_threads(2)
         _Post(_Spy(), n_inducing=4, max_iter=3, early_stopping=False).fit(
             _fitdata(X, y, torch.nn.Sequential(_Sin())))
-        assert set(seen) == {gp.FIT_THREADS}
+        assert set(seen) == {gp_algebra.FIT_THREADS}
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

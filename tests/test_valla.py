@@ -29,9 +29,8 @@ from sklearn_lla import LLARegressor, VaLLAClassifier, VaLLARegressor
 from sklearn_lla._core.likelihoods import Gaussian
 from sklearn_lla._core.protocol import FitData
 from sklearn_lla._network.linearized import LinearizedNet
-from sklearn_lla._posteriors import gp as gp_module
 from sklearn_lla._posteriors import gp_algebra
-from sklearn_lla._posteriors.gp import variational_terms
+from sklearn_lla._posteriors.gp_algebra import variational_terms
 from sklearn_lla._posteriors.valla import NTKKernel, VaLLAPosterior
 
 F64 = torch.float64
@@ -243,7 +242,7 @@ def test_subspace_covariance_matches_the_dense_formula(reg_data, reg_net, dense_
     _, Jq = dense_ref.jacobian(reg_net.module_, Xq)
     Jz, Jq = Jz[:, 0], Jq[:, 0]
     Kzz = s0 * Jz @ Jz.T
-    Kj = Kzz + gp_module.SUBSPACE_JITTER * np.mean(np.diag(Kzz)) * np.eye(7)
+    Kj = Kzz + gp_algebra.SUBSPACE_JITTER * np.mean(np.diag(Kzz)) * np.eye(7)
     Kxz = s0 * Jq @ Jz.T
     A = L @ np.linalg.solve(np.eye(7) + L.T @ Kj @ L, L.T)
     want = np.einsum("bm,mk,bk->b", Kxz, np.linalg.inv(Kj) - A, Kxz)
@@ -277,8 +276,8 @@ def _objective_gradients(post, sub, kernel, Z, cz, L_raw, log_noise):
     with torch.enable_grad():
         s0 = torch.exp(kernel.log_prior_variance)
         t = variational_terms(sub["Kj"] * s0, L_raw)
-        cov = gp_module.latent_cov(s0 * sub["prior"], (s0 * sub["Kxz"]) @ t.W.T)
-        e = gp_module.alpha_energy(sub["elik"], sub["mean"], cov, sub["y"], alpha=0.0,
+        cov = gp_algebra.latent_cov(s0 * sub["prior"], (s0 * sub["Kxz"]) @ t.W.T)
+        e = gp_algebra.alpha_energy(sub["elik"], sub["mean"], cov, sub["y"], alpha=0.0,
                                    noise=torch.exp(log_noise))
         loss = -e.mean() + (t.kl + sub["mean_kl"] / s0) / sub["n_total"]
         assert float(loss.detach()) == pytest.approx(score(), rel=1e-12)
@@ -294,7 +293,7 @@ def test_optimal_start_is_the_optimum(reg_data, reg_net, covariance):
     lin = LinearizedNet(reg_net.module_, example_input=torch.as_tensor(X))
     data = FitData(lin, Gaussian(1.0), X, torch.as_tensor(y[:, None]), batch_size=len(X))
     post = VaLLAPosterior(covariance=covariance, alpha=0.0, n_inducing=10)
-    Z0, cz0 = gp_module.init_inducing(data, 10, 0)
+    Z0, cz0 = gp_algebra.init_inducing(data, 10, 0)
     Z, cz = torch.as_tensor(Z0), torch.as_tensor(cz0)
     kernel = post.make_kernel(data, Z, cz)
     log_noise = torch.tensor(math.log(0.1), dtype=F64, requires_grad=True)
@@ -323,7 +322,7 @@ def test_first_step_subspace_objective_matches_hand_computation(dense_ref):
     _, Jz = dense_ref.jacobian(module, Z)
     J, Jz = J[:, 0], Jz[:, 0]
     Kzz = s0 * Jz @ Jz.T
-    Kj = Kzz + gp_module.SUBSPACE_JITTER * np.mean(np.diag(Kzz)) * np.eye(3)
+    Kj = Kzz + gp_algebra.SUBSPACE_JITTER * np.mean(np.diag(Kzz)) * np.eye(3)
     Kxz = s0 * J @ Jz.T
     A = np.linalg.inv(np.eye(3) + Kj)  # L = I
     v = np.einsum("nm,mk,nk->n", Kxz, np.linalg.inv(Kj) - A, Kxz)

@@ -36,17 +36,13 @@ __all__ = ["AUTO_COST_BUDGET", "AUTO_MIN_COMPONENTS", "NystromFeatures", "nystro
 #: Per-row cost budget of ``n_components="auto"``, in multiply-adds: the features of a
 #: row cost ``K * P`` (one GEMM per layer, see ``StructuredChain.jvp``) at fit and at
 #: predict, so "auto" keeps at most ``max(AUTO_MIN_COMPONENTS, AUTO_COST_BUDGET // P)``
-#: components. For the papers' 3 x 200 MLPs that is K = 21 (Year, P = 98,801) and
-#: K = 25 (Taxi, P = 82,401): the paper's K = 20, and 3M Taxi rows fit in minutes on 2
-#: cores (``benchmarks/bench_scale.py``); nets with a few thousand parameters keep
-#: hundreds of components, in practice all the numerically positive ones.
+#: components: about the paper's K = 20 for its 3 x 200 MLPs, hundreds (in practice
+#: all the numerically positive ones) for nets with a few thousand parameters.
 #:
 #: Why not a captured fraction of the trace: directions with tiny eigenvalues on the
 #: Nystrom points are those the data barely constrain, where the posterior keeps its
-#: prior variance, and they carry most of the variance away from the data. On the
-#: 1-D gap toy (benchmarks/fidelity.py) keeping ``1 - 1e-3`` of the trace kept 4 of
-#: 17 components and gave KL(exact || ELLA) = 26 (gap variance 11x too small);
-#: all 17 give 1e-6.
+#: prior variance, and they carry most of the variance away from the data. The values
+#: of K and the measurements behind both choices are in ``docs/ella.md``.
 AUTO_COST_BUDGET = 2**21
 
 #: The smallest ``K`` that ``n_components="auto"`` keeps when the spectrum allows it
@@ -63,7 +59,7 @@ def _top_eigh(Kt, k):
     """The top ``k`` eigenpairs of the symmetric ``Kt``, in descending order.
 
     On the CPU, when ``k`` is well below the size, LAPACK's ``syevr`` computes only
-    those (3.5x faster than a full ``eigh`` at M = 2000, k = 54, measured); otherwise,
+    those (faster than a full ``eigh``; ``docs/cnn.md``); otherwise,
     or if it fails, the full :func:`safe_eigh`.
     """
     M = Kt.shape[0]

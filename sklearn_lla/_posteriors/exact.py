@@ -33,10 +33,9 @@ from .._core.protocol import LatentPredictive, Posterior, check_finite_outputs
 
 __all__ = ["FunctionSpacePosterior", "MAX_EXACT_DIM"]
 
-#: Largest ``min(P, N*C)`` the exact estimators accept. A dense float64 matrix that
-#: size takes 0.8 GB (the function-space form needs two: 1.6 GB) and its
-#: eigendecomposition about 10^13 flops (minutes on 2 cores); at 20,000 a Year-shaped
-#: fit needed more than 6 GB and did not finish in 10 minutes (benchmarks/budgets.py).
+#: Largest ``min(P, N*C)`` the exact estimators accept: the fit holds dense float64
+#: ``dim x dim`` matrices (``8 dim^2`` bytes each; two in function space) and
+#: eigendecomposes one (``O(dim^3)``). The measured costs are in ``docs/exact.md``.
 MAX_EXACT_DIM = 10_000
 
 

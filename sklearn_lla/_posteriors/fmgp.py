@@ -50,13 +50,8 @@ import numpy as np
 import torch
 
 from .._core.linalg import cholesky
-from .gp import (
-    FixedMeanGPPosterior,
-    alpha_energy,
-    joint_cov,
-    latent_cov,
-    variational_terms,
-)
+from .gp import FixedMeanGPPosterior
+from .gp_algebra import alpha_energy, joint_cov, latent_cov, variational_terms
 from .kernels import RBF, ClassificationKernel
 
 __all__ = [
@@ -122,7 +117,7 @@ def mean_regularizer_loss(likelihood, q_mu, Kzz, terms, Kxx, Kxz, y, *, n_total,
     Kzz : Tensor of shape (M, M)
         The inducing Gram matrix.
     terms : VariationalTerms
-        ``W`` and ``KL(Q | P)`` of :func:`sklearn_lla._posteriors.gp.variational_terms`.
+        ``W`` and ``KL(Q | P)`` of :func:`sklearn_lla._posteriors.gp_algebra.variational_terms`.
     Kxx : Tensor of shape (B, C, C)
         Prior covariance blocks of the batch.
     Kxz : Tensor of shape (B, C, M)

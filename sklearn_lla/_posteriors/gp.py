@@ -14,8 +14,9 @@ The objective is the alpha-divergence energy (alpha = 1 by default, alpha = 0 gi
 ELBO) on minibatches, ``(N / B) sum_b E_alpha(y_b) - KL``; :func:`alpha_energy` gives the
 per-point term and the optimisation runs through the shared loop
 (:func:`sklearn_lla._core.optim.minimize`). ``covariance="subspace"`` replaces the
-kernel's prior by its Nystrom approximation through the inducing pairs. The functions
-live in :mod:`sklearn_lla._posteriors.gp_algebra` (re-exported here).
+kernel's prior by its Nystrom approximation through the inducing pairs. These
+functions are the engine's algebra, in :mod:`sklearn_lla._posteriors.gp_algebra`; this
+module holds the kernel interface and the posterior that fits and predicts with them.
 
 What a method writes is a :class:`Kernel` (VaLLA: the scaled NTK ``s0^2 J(x) J(z)^T``;
 FMGP: parametric kernels) and, optionally, an extra loss term (FMGP's auxiliary
@@ -35,14 +36,9 @@ from .._core.linalg import cholesky
 from .._core.optim import minibatches, minimize
 from .._core.protocol import LatentPredictive, Posterior
 from .gp_algebra import (
-    COVARIANCES,
     FIT_THREADS,
-    KMEANS_MAX_ROWS,
-    SUBSPACE_JITTER,
-    VariationalTerms,
     alpha_energy,
     init_inducing,
-    joint_cov,
     latent_cov,
     nystrom_blocks,
     subspace_gram,
@@ -58,24 +54,7 @@ from .gp_algebra import (
 #: checks average the minibatch loss over the window, which needs the longer one.
 AUTO_CHECK_FREQ = {"exact": 20, "loss": 50}
 
-__all__ = [
-    "AUTO_CHECK_FREQ",
-    "COVARIANCES",
-    "FIT_THREADS",
-    "FixedMeanGPPosterior",
-    "KMEANS_MAX_ROWS",
-    "Kernel",
-    "SUBSPACE_JITTER",
-    "VariationalTerms",
-    "alpha_energy",
-    "init_inducing",
-    "joint_cov",
-    "latent_cov",
-    "nystrom_blocks",
-    "subspace_gram",
-    "torch_threads",
-    "variational_terms",
-]
+__all__ = ["AUTO_CHECK_FREQ", "FixedMeanGPPosterior", "Kernel"]
 
 # ---------------------------------------------------------------------------------
 # The kernel interface
@@ -296,7 +275,9 @@ class FixedMeanGPPosterior(Posterior):
     """Sparse variational GP with the mean fixed to the network (VaLLA, FMGP).
 
     Subclasses implement :meth:`make_kernel`; FMGP adds :meth:`extra_loss` and
-    :meth:`extra_parameters`.
+    :meth:`extra_parameters`. The parameters are validated once, by the estimators'
+    ``_parameter_constraints`` (``VaLLARegressor``, ``FMGPRegressor``, ...); this
+    engine converts them and trusts their values.
 
     Parameters
     ----------
@@ -365,8 +346,6 @@ class FixedMeanGPPosterior(Posterior):
                  energy_link="probit", n_energy_samples=32, random_state=0,
                  tol=1e-3, stopping="auto", name=None):
         self.n_inducing = int(n_inducing)
-        if covariance not in COVARIANCES:
-            raise ValueError(f"covariance must be one of {COVARIANCES}, got {covariance!r}")
         self.covariance = covariance
         self.noise_variance = noise_variance
         self.alpha = float(alpha)
@@ -383,11 +362,7 @@ class FixedMeanGPPosterior(Posterior):
         self.random_state = int(random_state)
         self.tol = float(tol)
         self.name = name
-        if stopping not in ("auto", "objective"):
-            raise ValueError(f"stopping must be 'auto' or 'objective', got {stopping!r}")
         self.stopping = stopping
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
 
     # -- hooks ---------------------------------------------------------------------
     @abc.abstractmethod

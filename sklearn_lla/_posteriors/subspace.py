@@ -173,11 +173,9 @@ def lowrank_directions(lin, X, n_outputs, psi, s, batch_size=256, row_space=Fals
         batched JVP pass over ``X``, ``Psi`` on ``k + o`` columns; ``M`` is never
         formed), orthogonalises it against the whole basis, and a Rayleigh-Ritz step
         on the basis gives the eigenpairs, until the sum of the top ``k`` Ritz values
-        grows by less than :data:`RANGE_RTOL`. On a flat spectrum (a 3 x 200 MLP on
-        Year-shaped data: the top 21 of 1,000 eigenvalues within a factor 1.7) it
-        captured 99.9 % of their sum in 7 steps, where subspace iteration needed 9
-        for 98.8 %. ``"auto"``: randomized when ``k + o`` is at most a quarter of
-        ``n C``.
+        grows by less than :data:`RANGE_RTOL` (Krylov rather than subspace iteration:
+        it converges faster on flat spectra; ``docs/subspace.md``). ``"auto"``:
+        randomized when ``k + o`` is at most a quarter of ``n C``.
     generator : torch.Generator or None, default=None
         Draws the randomized method's test matrix (the global generator if None).
 

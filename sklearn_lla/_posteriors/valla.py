@@ -38,10 +38,9 @@ import torch
 from .._core.hyper import OBJECTIVE, Fixed, VariationalEnergy
 from .._core.linalg import cholesky
 from .complement import DiagonalComplement, row_subset
-from .gp import (
+from .gp import FixedMeanGPPosterior, Kernel
+from .gp_algebra import (
     FIT_THREADS,
-    FixedMeanGPPosterior,
-    Kernel,
     alpha_energy,
     joint_cov,
     latent_cov,
