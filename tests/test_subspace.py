@@ -463,6 +463,71 @@ def test_float32_net_matches_float64_defaults(name, task, request):
                                    a.predict_proba(Xq), rtol=1e-3, atol=1e-6)
 
 
+def _net_case(kind, task, request):
+    """``(X, y, skorch net)`` of a float32-trained MLP or the tiny BatchNorm CNN."""
+    if kind == "cnn":
+        X, y, _, net = request.getfixturevalue("cnn_cases")[task]
+        return X, y, net
+    data, net = _case(task, request)
+    return data.X, data.y, net
+
+
+@pytest.mark.parametrize("task", ["regression", "classification"])
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_kfac_of_a_float32_net_matches_float64(kind, task, request):
+    """KFAC runs curvlinops on the net in its own dtype with float64 factors, and the
+    BatchNorm diagonal from the net's own products: a float32 net's curvature equals
+    the float64 net's to 1e-3 (eigenvalues, ``Psi_approx T``, the diagonal)."""
+    X, y, net = _net_case(kind, task, request)
+    lik = Gaussian(S2, 1) if task == "regression" else Categorical(3)
+    yt = torch.as_tensor(y).reshape(-1, 1) if task == "regression" else torch.as_tensor(y)
+    out = {}
+    for dt in (torch.float64, torch.float32):
+        m = copy.deepcopy(net.module_).to(dt).eval()
+        lin = LinearizedNet(m, example_input=torch.as_tensor(X[:4], dtype=dt))
+        kfac = KFAC(lin, FitData(lin, lik, X, yt, batch_size=16))
+        state = kfac.op.state_dict()
+        for kind_ in ("input_covariances", "gradient_covariances"):
+            assert all(v.dtype == torch.float64 for v in state[kind_].values())
+        T = torch.randn(lin.n_params, 3, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(0))
+        out[dt] = (np.sort(kfac.eigvals()), kfac.inverse(S0, S2)(T).numpy(),
+                   None if kfac.diag is None else kfac.diag.numpy(), kfac.description,
+                   ggn_diagonal(lin, FitData(lin, lik, X, yt, batch_size=16)).numpy())
+    a, b = out[torch.float64], out[torch.float32]
+    assert b[3] == a[3]
+    if kind == "cnn":
+        assert "BatchNorm2d" in a[3] and b[2] is not None
+        np.testing.assert_allclose(b[2], a[2], rtol=1e-3, atol=1e-6 * a[2].max())
+    top = a[0].max()
+    np.testing.assert_allclose(b[0], a[0], rtol=1e-3, atol=1e-6 * top)
+    np.testing.assert_allclose(b[1], a[1], rtol=1e-3, atol=1e-6 * np.abs(a[1]).max())
+    np.testing.assert_allclose(b[4], a[4], rtol=1e-3, atol=1e-6 * a[4].max())
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+@pytest.mark.parametrize("name", ["lowrank-kfac", "lowrank-diag"])
+def test_projector_of_a_float32_net_matches_float64(name, kind, request):
+    """The projector built on a float32 net (passes in float32, sums in float64) spans
+    the float64 net's subspace to 1e-3, with the same eigenvalues of ``J Psi J^T``."""
+    X, y, net = _net_case(kind, "classification", request)
+    fits = []
+    for dt in (torch.float64, torch.float32):
+        m = copy.deepcopy(net.module_).to(dt)
+        Xd = X.astype(np.float64 if dt == torch.float64 else np.float32)
+        fits.append(SubspaceLaplaceClassifier(m, projector=name, subspace_dim=4, device="cpu",
+                                              residual_correction=False,
+                                              random_state=0).fit(Xd, y))
+    a, b = fits
+    assert b.projector_.dtype == torch.float64
+    np.testing.assert_allclose(b.prior_variance_, a.prior_variance_, rtol=1e-3)
+    np.testing.assert_allclose(b.projector_eigvals_, a.projector_eigvals_, rtol=1e-3)
+    Va, Vb = a.projector_.numpy(), b.projector_.numpy()
+    # the sines of the principal angles between the two spans
+    sines = np.linalg.norm(Vb - (Vb @ Va.T) @ Va, axis=1)
+    assert sines.max() < 1e-3, sines
+
+
 @pytest.mark.parametrize("name", ["lowrank-kfac", "subset-swag"])
 def test_pickle_round_trip(name, clf_data, clf_net):
     kw = {"subspace_dim": 5} if name == "subset-swag" else {}  # lowrank-kfac: the defaults

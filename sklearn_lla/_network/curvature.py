@@ -4,7 +4,10 @@ These are the curvature estimates the subspace projectors of
 :mod:`sklearn_lla._posteriors.subspace` are built from (``Psi_approx``).
 
 KFAC comes from ``curvlinops`` (``KFACLinearOperator`` with the exact type-2 GGN
-factors, ``KFACInverseLinearOperator`` with exact damping for ``Psi_approx``). The
+factors, ``KFACInverseLinearOperator`` with exact damping for ``Psi_approx``). Every
+pass runs on the network in its own dtype (a float32 net keeps its fast float32
+kernels); what is accumulated (the Kronecker factors, the diagonal's sums, the dense
+GGN) is accumulated in float64, and the algebra on it is float64. The
 diagonal of the GGN is exact: ``sum_n sum_c (A_n^T J_n)_c^2`` streamed over
 memory-bounded chunks of per-example Jacobians (curvlinops only estimates
 diagonals stochastically). Only :func:`full_ggn` forms a ``p x p`` matrix.
@@ -44,7 +47,8 @@ class _Outputs(nn.Module):
 
 
 def float64_view(lin):
-    """``lin`` itself, or a float64 copy of it (projectors are built in float64)."""
+    """``lin`` itself, or a float64 copy of it (only where a dense float64 operator is
+    inherent: the ``"optimal"`` projector's full GGN on a small network)."""
     if lin.dtype == torch.float64:
         return lin
     x = getattr(lin, "_trace_input", None)
@@ -56,12 +60,19 @@ def float64_view(lin):
 
 
 def _rows(lin, x, lik):
-    """``A^T J(x)`` (B, C, p) float64, unit noise for a Gaussian likelihood."""
+    """``A^T J(x)`` (B, C, p) float64, unit noise for a Gaussian likelihood (the
+    Jacobian in the network's dtype, cast to float64 before anything is summed)."""
+    x = _as_net_dtype(lin, x)
     J = lin.jacobian(x).double()
     if lik.unit_curvature:
         return J
     A = lik.lam_factor(lin.forward(x).double())
     return torch.einsum("bck,bcp->bkp", A, J)
+
+
+def _as_net_dtype(lin, x):
+    """Floating inputs in the network's dtype (integer inputs, e.g. token ids, as they are)."""
+    return x.to(lin.dtype) if x.is_floating_point() and x.dtype != lin.dtype else x
 
 
 def _chunk(lin, C, batch_size):
@@ -98,33 +109,60 @@ def full_ggn(lin, data):
     return data.reduce(_full_ggn, payload, _chunk(lin, data.n_outputs, data.batch_size))[0]
 
 
-def _curvlinops_batches(batches, bernoulli):
-    """``(x, y)`` batches as curvlinops' losses take them: float64 inputs, and a
-    ``(B, 1)`` float target for a Bernoulli (``BCEWithLogitsLoss``) likelihood."""
+def _curvlinops_batches(batches, bernoulli, dtype):
+    """``(x, y)`` batches as curvlinops' losses take them: floating inputs in the
+    network's ``dtype``, and a ``(B, 1)`` target of that dtype for a Bernoulli
+    (``BCEWithLogitsLoss``) likelihood; a regression target in that dtype too."""
     for x, y in batches:
-        x = x.double() if x.is_floating_point() else x
-        yield x, (y.reshape(-1, 1).double() if bernoulli else y)
+        x = x.to(dtype) if x.is_floating_point() else x
+        if bernoulli:
+            y = y.reshape(-1, 1).to(dtype)
+        elif y.is_floating_point():
+            y = y.to(dtype)
+        yield x, y
 
 
 class _Batches:
-    """A re-iterable view of the training stream for curvlinops (float64 tensors)."""
+    """A re-iterable view of the training stream for curvlinops (the net's dtype)."""
 
-    def __init__(self, data, bernoulli):
-        self.data, self.bernoulli = data, bernoulli
+    def __init__(self, data, bernoulli, dtype):
+        self.data, self.bernoulli, self.dtype = data, bernoulli, dtype
 
     def __iter__(self):
-        return _curvlinops_batches(self.data.batches(), self.bernoulli)
+        return _curvlinops_batches(self.data.batches(), self.bernoulli, self.dtype)
+
+
+_KFAC64 = None
+
+
+def _kfac64_class():
+    """curvlinops' ``KFACLinearOperator`` with its Kronecker factors accumulated in
+    float64: each batch's factor (``a^T a`` / ``g^T g`` over the batch's rows, in the
+    network's dtype) is cast to float64 before it is added to the running sum, so a
+    float32 network's passes stay float32 and nothing is summed over batches in float32.
+    """
+    global _KFAC64
+    if _KFAC64 is None:
+        from curvlinops import KFACLinearOperator
+
+        class KFACLinearOperator64(KFACLinearOperator):
+            @staticmethod
+            def _set_or_add_(dictionary, key, value):
+                return KFACLinearOperator._set_or_add_(dictionary, key,
+                                                       value.to(torch.float64))
+
+        _KFAC64 = KFACLinearOperator64
+    return _KFAC64
 
 
 def _kfac_operator(mod, loss, names, batches, num_data):
-    from curvlinops import KFACLinearOperator
     from curvlinops.kfac import FisherType
 
     named = dict(mod.m.named_parameters())
-    return KFACLinearOperator(mod, loss, [named[n] for n in names], batches,
-                              fisher_type=FisherType.TYPE2, num_data=num_data,
-                              num_per_example_loss_terms=1, check_deterministic=False,
-                              separate_weight_and_bias=False)
+    return _kfac64_class()(mod, loss, [named[n] for n in names], batches,
+                           fisher_type=FisherType.TYPE2, num_data=num_data,
+                           num_per_example_loss_terms=1, check_deterministic=False,
+                           separate_weight_and_bias=False)
 
 
 def _factor_keys(state):
@@ -135,12 +173,12 @@ def _factor_keys(state):
 
 def _kfac_factors(payload, batches):
     """KFAC's Kronecker factors over ``batches`` (they add over disjoint row sets)."""
-    mod_bytes, loss, names, num_data, bernoulli = payload
+    mod_bytes, loss, names, num_data, bernoulli, dtype = payload
     # A private copy per task (curvlinops hooks into it), unpickled here: dask's own
     # serialisation of modules leaves plain-dict hook tables, which torch cannot hook.
     mod = pickle.loads(mod_bytes)
-    op = _kfac_operator(mod, loss, names, _OnePass(_curvlinops_batches(batches, bernoulli)),
-                        num_data)
+    op = _kfac_operator(mod, loss, names,
+                        _OnePass(_curvlinops_batches(batches, bernoulli, dtype)), num_data)
     op.compute_kronecker_factors()
     state = op.state_dict()
     return tuple(state[kind][name].to(torch.float64) for kind, name in _factor_keys(state))
@@ -186,8 +224,9 @@ def _owners(module):
 
 
 class KFAC:
-    """KFAC of the GGN (curvlinops, exact type-2 factors) on a float64 copy of the net,
-    with the exact GGN diagonal for the parameters of layers KFAC does not support.
+    """KFAC of the GGN (curvlinops, exact type-2 factors) from passes through the net in
+    its own dtype, the factors accumulated and stored in float64, with the exact GGN
+    diagonal for the parameters of layers KFAC does not support.
 
     ``GGN ~ scale * K`` with ``K`` curvlinops' operator: ``scale = 1 / (2 s2)`` for a
     Gaussian likelihood (``MSELoss(reduction="sum")`` has Hessian ``2 I``), 1 otherwise.
@@ -221,7 +260,10 @@ class KFAC:
                 "KFAC (curvlinops) supports only nn.Linear and nn.Conv2d layers, and this "
                 "network has no linearised parameter in one; use projector='lowrank-diag' "
                 "or a subset projector")
-        mod = _Outputs(copy.deepcopy(lin.module).double(), lin.output_transform)
+        # a private copy in the net's own dtype (curvlinops hooks into it and sets
+        # requires_grad); only the factors are float64
+        mod = _Outputs(copy.deepcopy(lin.module), lin.output_transform)
+        dtype = lin.dtype
         named = dict(mod.m.named_parameters())
         params = [named[n] for n in kfac_names]
         for p in params:
@@ -243,7 +285,7 @@ class KFAC:
                 f"layers ({exc}); use projector='lowrank-diag' or a subset projector") from exc
         bernoulli = data.n_outputs == 1 and lik.task != "regression"
         if not data.is_dask:
-            self.op = _kfac_operator(mod, loss, kfac_names, _Batches(data, bernoulli),
+            self.op = _kfac_operator(mod, loss, kfac_names, _Batches(data, bernoulli, dtype),
                                      data.n_samples)
             self.op.compute_kronecker_factors()
         else:
@@ -251,14 +293,14 @@ class KFAC:
             # 1e-15 against one pass): one operator per partition on the workers, the
             # factors added on the client and loaded into an operator built on one row.
             sums = data.reduce(_kfac_factors, (pickle.dumps(mod), loss, list(kfac_names),
-                                               data.n_samples, bernoulli))
-            first = list(_curvlinops_batches([data.rows(slice(0, 1))], bernoulli))
+                                               data.n_samples, bernoulli, dtype))
+            first = list(_curvlinops_batches([data.rows(slice(0, 1))], bernoulli, dtype))
             self.op = _kfac_operator(mod, loss, kfac_names, first, data.n_samples)
             self.op.compute_kronecker_factors()
             state = self.op.state_dict()
             keys = _factor_keys(state)
             for (kind, name), value in zip(keys, sums):
-                state[kind][name] = value.to(state[kind][name].dtype)
+                state[kind][name] = value.to(torch.float64)
             self.op.load_state_dict(state)
         self.names = list(lin.names)
         self.shapes = [named[n].shape for n in lin.names]
@@ -313,7 +355,7 @@ class KFAC:
                                         use_exact_damping=True)
         if self.diag is None:
             def apply(T):
-                return inv @ T.to(self.op.dtype) / c
+                return inv @ T.to(torch.float64) / c
 
             return apply
         s2 = noise_variance if noise_variance is not None else 1.0
@@ -321,7 +363,7 @@ class KFAC:
         ki, di = self._kfac_idx, self._diag_idx
 
         def apply_mixed(T):
-            T = T.to(self.op.dtype)
+            T = T.to(torch.float64)
             out = torch.empty_like(T)
             out[ki] = inv @ T[ki].contiguous() / c
             out[di] = T[di] * var.to(T.device, T.dtype)[:, None]

@@ -143,9 +143,11 @@ def lowrank_directions(lin, X, n_outputs, psi, s, batch_size=256, row_space=Fals
     Parameters
     ----------
     lin : LinearizedNet
-        The (float64) network.
+        The network, in its own dtype: its Jacobian products run in that dtype and
+        are cast to float64 before anything is accumulated (``M``, the Krylov basis,
+        ``QR`` and ``eigh`` are float64).
     X : Tensor of shape (n, ...)
-        The inputs ``X'``.
+        The inputs ``X'`` (floating ones are cast to the network's dtype).
     n_outputs : int
         ``C``.
     psi : callable
@@ -189,6 +191,8 @@ def lowrank_directions(lin, X, n_outputs, psi, s, batch_size=256, row_space=Fals
     C, p, n = n_outputs, lin.n_params, X.shape[0]
     if method not in ("auto", "dense", "randomized"):
         raise ValueError(f"method must be 'auto', 'dense' or 'randomized', got {method!r}")
+    if X.is_floating_point() and X.dtype != lin.dtype:
+        X = X.to(lin.dtype)
     step = _chunk(lin, C, batch_size)
     chunks = [slice(i, min(i + step, n)) for i in range(0, n, step)]
     k = auto_dim_cap(p) if s == "auto" else int(s)
@@ -224,16 +228,19 @@ def _randomized_directions(lin, X, C, psi, s, k, chunks, row_space, generator):
     eigenpairs of ``M`` from blocks of ``k + o`` columns (at most ``n C``)."""
     p, n = lin.n_params, X.shape[0]
 
+    dt = lin.dtype  # the passes run in the network's dtype, the sums in float64
+
     def jt(Q):  # J^T Q, (p, w): one batched VJP pass
         out = torch.zeros((p, Q.shape[1]), dtype=torch.float64, device=lin.device)
         for sl in chunks:
-            cot = Q[sl.start * C:sl.stop * C].T.reshape(Q.shape[1], -1, C)
-            out += stack_flat(lin.vjp(X[sl], cot), lin.names).T
+            cot = Q[sl.start * C:sl.stop * C].T.reshape(Q.shape[1], -1, C).to(dt)
+            out += stack_flat(lin.vjp(X[sl], cot), lin.names).T.double()
         return out
 
     def j(T):  # J T, (n C, w): one batched JVP pass
-        return torch.cat([lin.jvp(X[sl], T.T)[1].reshape(-1, T.shape[1])
-                          for sl in chunks]).double()
+        Tt = T.T.to(dt)
+        return torch.cat([lin.jvp(X[sl], Tt)[1].reshape(-1, T.shape[1]).double()
+                          for sl in chunks])
 
     width = min(k + RANGE_OVERSAMPLING, n * C)
     k = max(width - min(RANGE_OVERSAMPLING, width), 1)
@@ -349,7 +356,7 @@ class SubspacePosterior(GLMPosterior):
         if self.subspace_X is not None:
             X = np.asarray(self.subspace_X)
             self.subset_indices = None
-            return to_batch(X, slice(0, len(X)), torch.float64, lin.device)
+            return to_batch(X, slice(0, len(X)), lin.dtype, lin.device)
         N = data.n_samples
         n_subset = self.n_subset
         if n_subset == "auto":  # the paper: n C = 1000 rows (1000 points for one output)
@@ -360,7 +367,7 @@ class SubspacePosterior(GLMPosterior):
             idx = np.sort(torch.randperm(N, generator=data.generator)[:n_subset].numpy())
         self.subset_indices = idx
         x, _ = data.rows(idx)
-        return x.double() if x.is_floating_point() else x
+        return x.to(lin.dtype) if x.is_floating_point() else x
 
     def _hyper_for_projector(self, lin, data, kfac):
         """``(s0^2, s2)`` of the projector's ``Psi_approx``, from the KFAC evidence when
@@ -390,8 +397,7 @@ class SubspacePosterior(GLMPosterior):
 
     def _directions(self, data):
         """The projector's rows ``V`` (:data:`_LOWRANK` / :data:`_SUBSET`)."""
-        lin = data.lin
-        lin64 = float64_view(lin)
+        lin = data.lin  # every pass in the net's dtype, every sum in float64
         name = self.projector
         s = self.subspace_dim if self.subspace_dim == "auto" else int(self.subspace_dim)
         if name == "optimal" and lin.n_params > MAX_OPTIMAL_PARAMS:
@@ -403,7 +409,7 @@ class SubspacePosterior(GLMPosterior):
         wants_kfac = self.prior_variance == "auto" or self.noise_variance == "auto"
         if name == "lowrank-kfac" or wants_kfac:
             try:
-                kfac = KFAC(lin64, data)
+                kfac = KFAC(lin, data)
             except UnsupportedKFAC:
                 if name == "lowrank-kfac":
                     raise
@@ -412,13 +418,13 @@ class SubspacePosterior(GLMPosterior):
             self.projector_curvature = kfac.description
         s0, s2 = self._hyper_for_projector(lin, data, kfac)
         self.projector_prior_variance, self.projector_noise_variance = s0, s2
-        inputs = _ProjectorInputs(self, data, lin64, kfac, s0, s2,
+        inputs = _ProjectorInputs(self, data, lin, kfac, s0, s2,
                                   1.0 / s2 if s2 is not None else 1.0)
         self.projector_eigvals = None
         self.subset_indices = getattr(self, "subset_indices", None)
         if name in _LOWRANK:
             psi = _LOWRANK[name](inputs)
-            V, lam = lowrank_directions(lin64, self._subset_inputs(data), data.n_outputs,
+            V, lam = lowrank_directions(lin, self._subset_inputs(data), data.n_outputs,
                                         psi, s, data.batch_size,
                                         row_space=bool(self.residual_correction),
                                         generator=data.generator)
@@ -550,11 +556,12 @@ class SubspacePosterior(GLMPosterior):
 
 
 class _ProjectorInputs:
-    """What a projector reads: the posterior, the data, the float64 view, KFAC, and
-    the ``(s0^2, s2)`` of ``Psi_approx`` (``scale = 1 / s2``, 1 for classification)."""
+    """What a projector reads: the posterior, the data, the network (in its own
+    dtype), KFAC, and the ``(s0^2, s2)`` of ``Psi_approx`` (``scale = 1 / s2``, 1 for
+    classification)."""
 
-    def __init__(self, post, data, lin64, kfac, s0, s2, scale):
-        self.post, self.data, self.lin64, self.kfac = post, data, lin64, kfac
+    def __init__(self, post, data, lin, kfac, s0, s2, scale):
+        self.post, self.data, self.lin, self.kfac = post, data, lin, kfac
         self.s0, self.s2, self.scale = s0, s2, scale
 
 
@@ -565,7 +572,7 @@ def _psi_kfac(p):
 
 def _psi_diag(p):
     """``Psi_approx``: the diagonal-GGN posterior covariance."""
-    var = 1.0 / (ggn_diagonal(p.lin64, p.data) * p.scale + 1.0 / p.s0)
+    var = 1.0 / (ggn_diagonal(p.lin, p.data) * p.scale + 1.0 / p.s0)
 
     def psi(T):
         return T * var[:, None]
@@ -575,7 +582,9 @@ def _psi_diag(p):
 
 def _psi_optimal(p):
     """``Psi_approx``: the dense posterior covariance (the optimal projector)."""
-    H = full_ggn(p.lin64, p.data) * p.scale
+    # a dense p x p float64 operator is inherent here (p <= MAX_OPTIMAL_PARAMS), and
+    # its Jacobian rows are taken from a float64 copy of the (small) network
+    H = full_ggn(float64_view(p.lin), p.data) * p.scale
     H.diagonal().add_(1.0 / p.s0)
     Sigma = dense_inverse(H)
     del H
@@ -588,12 +597,12 @@ def _psi_optimal(p):
 
 def _scores_magnitude(p):
     """Subset scores: ``|theta_hat|``."""
-    return p.lin64.flat_params().abs()
+    return p.lin.flat_params().double().abs()
 
 
 def _scores_diagonal(p):
     """Subset scores: the diagonal-GGN posterior variances."""
-    return 1.0 / (ggn_diagonal(p.lin64, p.data) * p.scale + 1.0 / p.s0)
+    return 1.0 / (ggn_diagonal(p.lin, p.data) * p.scale + 1.0 / p.s0)
 
 
 def _scores_swag(p):
