@@ -49,7 +49,7 @@ sampled = SampledLLARegressor(net, n_posterior_samples=64, random_state=0).fit(
 print(f"{sampled.hyper_strategy_}: prior_variance_ = {sampled.prior_variance_:.4g}, "
       f"noise_variance_ = {sampled.noise_variance_:.4g}, effective_dim_ = "
       f"{sampled.effective_dim_:.1f}, held-out rescaling c = "
-      f"{sampled.hyper_trace_['calibration']['factor']:.3g}, "
+      f"{sampled.hyper_trace_['calibration']['scale']:.3g}, "
       f"{sampled.hyper_trace_['solver']} iterations per E-step = {sampled.n_iter_}")
 _, std_data = sampled.predict(X, return_std=True)
 _, std_gap = sampled.predict(np.zeros((1, 1)), return_std=True)
