@@ -188,14 +188,15 @@ class _LaplaceBase(BaseEstimator, metaclass=abc.ABCMeta):
                           else FitData(lin, likelihood, X, yt, index=val_idx, **kw))
         data = FitData(lin, likelihood, X, yt, generator=generator, validation=validation,
                        index=train_idx, **kw)
-        posterior = self._fit_posterior(data, generator)
+        posterior, latent = self._fit_posterior(data, generator)
         if self._task == "regression" and pretrained:
             # after the fit: bad rows have been reported there, with their own message
             check_target_scale(lin, X, y_enc, self)
         self._publish(resolved.net, lin, C, posterior, source, seed, classes)
         # split-conformal calibration on the held-out rows, if any (_conformal.py);
-        # a refit always drops the previous calibration
-        calibrate_held_out(self, validation, source)
+        # a refit always drops the previous calibration. The latent predictive the
+        # posterior's calibration formed on those rows is reused (one pass over them)
+        calibrate_held_out(self, validation, source, latent)
 
     def _linearize(self, resolved, X, device):
         """The :class:`LinearizedNet` of the resolved network, checked against ``X``."""
@@ -220,15 +221,19 @@ class _LaplaceBase(BaseEstimator, metaclass=abc.ABCMeta):
         The held-out rows' one use after ``fit``: one scalar (the noise, the scale of
         a rescalable posterior, or a temperature), the posterior covariance kept;
         unless the strategy itself chose the hyperparameters on them.
+
+        Returns the posterior and the :class:`~sklearn_lla._core.calibration.HeldOutLatent`
+        its calibration formed on the held-out rows (``None`` if none).
         """
         posterior = self._make_posterior(data).fit(data)
+        latent = None
         if data.validation is not None and \
                 not STRATEGIES[posterior.hyper_strategy].uses_held_out:
-            posterior.calibrate(
+            latent = posterior.calibrate(
                 data.validation, generator=generator,
                 noise=self._task == "regression" and self.noise_variance == "auto",
                 temperature=self._task == "classification" and self.prior_variance == "auto")
-        return posterior
+        return posterior, latent
 
     def _publish(self, net, lin, n_outputs, posterior, source, seed, classes):
         """Set the fitted attributes (only once everything succeeded: atomic refits)."""
@@ -482,11 +487,13 @@ class LaplaceRegressorMixin(RegressorMixin, ConformalRegressorMixin, _LaplaceBas
             return self._shape(mean)
         std = np.empty((n, C))
         for sl, lp in self._predictive_batches(X):
-            m, v = self.likelihood_.predict(lp.mean, lp.cov)
-            mean[sl] = m.numpy()
-            if return_std:
-                std[sl] = v.sqrt().numpy()
+            mean[sl], std[sl] = self._mean_std(lp.mean, lp.cov)
         return _MeanStd((self._shape(mean), self._shape(std)))
+
+    def _mean_std(self, mean, cov):
+        """Predictive mean and std ``(n, C)`` (numpy) of the latent ``N(mean, cov)``."""
+        m, v = self.likelihood_.predict(mean, cov)
+        return m.numpy(), v.sqrt().numpy()
 
     def sample_y(self, X, n_samples=1, random_state=0):
         """Draw joint samples of ``y`` from the predictive distribution at ``X``.
@@ -648,15 +655,19 @@ class LaplaceClassifierMixin(ClassifierMixin, ConformalClassifierMixin, _Laplace
         X = self._check_X(X)
         if _dask.is_dask(X):
             return _dask.lazy_apply(self, X, "predict_proba", shape_tail=(len(self.classes_),))
-        lik = self.likelihood_
         out = np.empty((len(X), len(self.classes_)))
         for sl, lp in self._predictive_batches(X):
-            eps = None
-            if lik.link_approx == "mc":
-                keys = row_keys(np.asarray(X[sl]), self._predict_seed)
-                eps = point_normals(keys, lik.n_samples, lp.mean.shape[1])
-            out[sl] = lik.predict(lp.mean, lp.cov, eps=eps).numpy()
+            out[sl] = self._proba(np.asarray(X[sl]), lp.mean, lp.cov)
         return out
+
+    def _proba(self, x, mean, cov):
+        """Class probabilities (numpy) at the rows ``x`` of the latent ``N(mean, cov)``."""
+        lik = self.likelihood_
+        eps = None
+        if lik.link_approx == "mc":
+            eps = point_normals(row_keys(x, self._predict_seed), lik.n_samples,
+                                mean.shape[1])
+        return lik.predict(mean, cov, eps=eps).numpy()
 
     def predict_log_proba(self, X):
         """Logarithm of :meth:`predict_proba`.

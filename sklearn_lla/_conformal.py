@@ -286,7 +286,45 @@ def _calibrate_classification(est, proba, y_idx, X, source):
     est.conformal_source_ = source
 
 
-def calibrate_held_out(est, validation, source):
+def _predict_held_out(est, X, latent):
+    """``(mean, std)`` (regression) or ``proba`` of ``est`` on the held-out rows ``X``.
+
+    The rows in ``latent`` (a :class:`~sklearn_lla._core.calibration.HeldOutLatent`,
+    the calibrated posterior's latent predictive there) are not predicted again: their
+    outputs come from it through the estimator's likelihood, as in ``predict`` /
+    ``predict_proba``; the other rows (beyond a calibration subset) are predicted.
+    """
+    regression = est._task == "regression"
+    n = _n_rows(X)
+    if latent is None or len(latent.rows) == 0:
+        return est.predict(X, return_std=True) if regression else est.predict_proba(X)
+    rows = np.asarray(latent.rows)
+    C = latent.mean.shape[1]
+    if regression:
+        out = (np.empty((n, C)), np.empty((n, C)))
+    else:
+        out = np.empty((n, len(est.classes_)))
+        Xr = np.asarray(_computed(X[rows]))  # the rows' keys of a Monte Carlo link
+    bs = est.batch_size
+    for start in range(0, len(rows), bs):  # per batch: the link's draws stay small
+        sl = slice(start, start + bs)
+        r = rows[sl]
+        if regression:
+            out[0][r], out[1][r] = est._mean_std(latent.mean[sl], latent.cov[sl])
+        else:
+            out[r] = est._proba(Xr[sl], latent.mean[sl], latent.cov[sl])
+    rest = np.setdiff1d(np.arange(n), rows, assume_unique=True)
+    if len(rest):  # rows beyond the calibration's subset: predicted once, here
+        if regression:
+            m, s = est.predict(X[rest], return_std=True)
+            out[0][rest] = _computed(m).reshape(len(rest), C)
+            out[1][rest] = _computed(s).reshape(len(rest), C)
+        else:
+            out[rest] = _computed(est.predict_proba(X[rest]))
+    return out
+
+
+def calibrate_held_out(est, validation, source, latent=None):
     """Calibrate ``est`` on the held-out rows of its fit (called by ``_base`` after fit).
 
     Any previous calibration is removed first; with no held-out rows the estimator is
@@ -301,6 +339,10 @@ def calibrate_held_out(est, validation, source):
         ``fit`` trained the net, or a skorch net's own validation split).
     source : str or None
         Where those rows came from (``validation_source_``).
+    latent : HeldOutLatent or None, optional
+        The latent predictive the posterior's calibration formed on (some of) these
+        rows, at the calibrated posterior: reused instead of predicting those rows
+        again (``sklearn_lla._core.calibration.HeldOutLatent``).
     """
     _reset(est)
     if validation is None or validation.n_samples == 0:
@@ -314,10 +356,10 @@ def calibrate_held_out(est, validation, source):
         warnings.filterwarnings("ignore", message="X does not have valid feature names",
                                 category=UserWarning)
         if est._task == "regression":
-            mean, std = est.predict(X, return_std=True)
+            mean, std = _predict_held_out(est, X, latent)
             _calibrate_regression(est, mean, std, y.reshape(len(y), -1), source)
         else:
-            _calibrate_classification(est, est.predict_proba(X), y, X, source)
+            _calibrate_classification(est, _predict_held_out(est, X, latent), y, X, source)
 
 
 def _n_rows(X):

@@ -276,6 +276,8 @@ class SubspaceLaplace(_SubspaceMixin, _LaplaceBase):
     _n_net_outputs = property(_impl("_n_net_outputs"))
     _likelihood = property(_impl("_likelihood"))
     _encode_validation_targets = property(_impl("_encode_validation_targets"))
+    _mean_std = LaplaceRegressorMixin._mean_std  # the outputs of a latent predictive
+    _proba = LaplaceClassifierMixin._proba
 
     def _target_tensor(self, y, device):
         skin = LaplaceClassifierMixin if _clf(self) else LaplaceRegressorMixin

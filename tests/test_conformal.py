@@ -606,3 +606,72 @@ def test_torch_global_rng_untouched(lla_clf, blob_net):
     lla_clf.conformalize(X[:50], y[:50])
     lla_clf.predict_set(X, method="aps", randomized=True)
     assert torch.equal(state, torch.random.get_rng_state())
+
+
+# ---------------------------------------------------------------------------------
+# One pass over the held-out rows (issue 36 part 7)
+# ---------------------------------------------------------------------------------
+
+
+def _count_predictions(monkeypatch, cls):
+    """Record the number of rows of every ``predict`` / ``predict_proba`` call of ``cls``."""
+    calls = []
+    for name in ("predict", "predict_proba"):
+        orig = getattr(cls, name, None)
+        if orig is None:
+            continue
+
+        def wrapped(self, X, *a, _orig=orig, **k):
+            calls.append(len(X))
+            return _orig(self, X, *a, **k)
+
+        monkeypatch.setattr(cls, name, wrapped)
+    return calls
+
+
+@pytest.mark.parametrize("make", [
+    lambda net: LLARegressor(net, device="cpu"),
+    lambda net: LLARegressor(net, subset_of_weights="last_layer", device="cpu"),
+    lambda net: ELLARegressor(net, n_nystrom=40, device="cpu", random_state=0),
+    lambda net: SubspaceLaplace(net, likelihood="regression", subspace_dim=10, n_subset=50,
+                                device="cpu"),
+], ids=["exact", "last_layer", "ella", "subspace_one_class"])
+def test_held_out_scores_reuse_the_calibration_pass_regression(make, reg_data, reg_net,
+                                                               monkeypatch):
+    """fit(validation_data=...) reads the held-out rows once: the conformal scores come
+    from the latent predictive the (scale) calibration formed on them, rescaled, and
+    equal those of a fresh predict pass of the calibrated estimator (conformalize)."""
+    Xc, yc = _reg_draw(70, np.random.RandomState(12))
+    est = make(reg_net)
+    calls = _count_predictions(monkeypatch, type(est))
+    est.fit(reg_data.X, reg_data.y, validation_data=(Xc, yc))
+    assert calls == [] and est.conformal_n_ == 70  # no second pass over the rows
+    assert abs(est.hyper_trace_["calibration"]["scale"] - 1.0) > 1e-3  # it did rescale
+    auto = est.conformal_scores_.copy()
+    est.conformalize(Xc, yc)
+    np.testing.assert_allclose(auto, est.conformal_scores_, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("link", ["probit", "mc"])
+@pytest.mark.parametrize("subset", [False, True])
+def test_held_out_scores_reuse_the_calibration_pass_classification(link, subset, blob_net,
+                                                                   monkeypatch):
+    """The temperature's latent predictive gives the conformal scores (the Monte Carlo
+    link with each row's own draws); rows beyond the calibration's subset
+    (``CALIBRATION_ROWS``) are predicted once, after it. Either way the scores equal
+    those of a fresh predict_proba pass."""
+    import sklearn_lla._core.calibration as cal
+
+    net, X, y = blob_net
+    Xc, yc = _clf_draw(80, np.random.RandomState(13))
+    if subset:
+        monkeypatch.setattr(cal, "CALIBRATION_ROWS", 30)
+    clf = LLAClassifier(net, device="cpu", link_approx=link, n_samples_predict=50)
+    calls = _count_predictions(monkeypatch, LLAClassifier)
+    clf.fit(X, y, validation_data=(Xc, yc))
+    assert clf.hyper_trace_["calibration"]["n_rows"] == (30 if subset else 80)
+    assert calls == ([50] if subset else [])  # only the rows the calibration did not read
+    auto = {k: v.copy() for k, v in clf.conformal_scores_.items()}
+    clf.conformalize(Xc, yc)
+    for k, v in clf.conformal_scores_.items():
+        np.testing.assert_allclose(auto[k], v, rtol=1e-10, atol=1e-12)

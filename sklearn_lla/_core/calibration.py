@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,9 +36,9 @@ from scipy.optimize import minimize_scalar
 from .hyper import HyperparameterWarning, _finite_scores
 from .likelihoods import sharpening_floor
 
-__all__ = ["CALIBRATION_ROWS", "held_out_predictive", "calibrate_scale", "calibrate_noise",
-           "calibrate_noise_refit", "calibrate_temperature", "gaussian_nll_curve",
-           "rescaled_nll"]
+__all__ = ["CALIBRATION_ROWS", "HeldOutLatent", "held_out_predictive", "calibrate_scale",
+           "calibrate_noise", "calibrate_noise_refit", "calibrate_temperature",
+           "gaussian_nll_curve", "rescaled_nll"]
 
 #: Held-out rows (at most) read by a calibration; beyond, a random subset this large
 #: (a 1-D scalar is estimated: 20,000 rows pin it to well under 1 % relative error).
@@ -69,8 +70,31 @@ SHARPENING_GAP_ABS = 0.005
 SHARPENING_GAP_REL = 0.1
 
 
+@dataclass
+class HeldOutLatent:
+    """The latent predictive of the *calibrated* posterior on held-out rows.
+
+    :meth:`Posterior.calibrate <sklearn_lla._core.protocol.Posterior.calibrate>`
+    returns it so that the split-conformal scores (:func:`sklearn_lla._conformal.
+    calibrate_held_out`) reuse the pass the calibration made over these rows instead of
+    predicting them again: ``mean`` and ``cov`` are what ``posterior.predict`` gives on
+    them after the calibration (the covariance of a rescaled posterior times its scale).
+
+    Attributes
+    ----------
+    rows : ndarray of int, shape (n,)
+        Positions of the rows in the held-out stream (sorted).
+    mean : Tensor of shape (n, C)
+    cov : Tensor of shape (n, C, C)
+    """
+
+    rows: np.ndarray
+    mean: torch.Tensor
+    cov: torch.Tensor
+
+
 def held_out_predictive(posterior, validation, *, max_rows=CALIBRATION_ROWS,
-                        generator=None):
+                        generator=None, return_rows=False):
     """The latent predictive of ``posterior`` on (a subset of) the held-out rows.
 
     Parameters
@@ -84,6 +108,8 @@ def held_out_predictive(posterior, validation, *, max_rows=CALIBRATION_ROWS,
         every row.
     generator : torch.Generator, optional
         Random source of the subset.
+    return_rows : bool, default=False
+        Also return the positions of the rows read.
 
     Returns
     -------
@@ -91,6 +117,8 @@ def held_out_predictive(posterior, validation, *, max_rows=CALIBRATION_ROWS,
     cov : Tensor of shape (n, C, C)
     y : Tensor
         The targets of those rows.
+    rows : ndarray of int, shape (n,)
+        Their positions in ``validation`` (sorted), if ``return_rows``.
     """
     n = validation.n_samples
     if max_rows is not None and n > max_rows:
@@ -111,7 +139,7 @@ def held_out_predictive(posterior, validation, *, max_rows=CALIBRATION_ROWS,
     if not (bool(torch.isfinite(mean).all()) and bool(torch.isfinite(cov).all())):
         raise FloatingPointError("the predictive is not finite on the held-out rows; check "
                                  "the network's outputs on them")
-    return mean, cov, y
+    return (mean, cov, y, rows) if return_rows else (mean, cov, y)
 
 
 def calibrate_scale(mean, cov, y, prior_variance, noise_variance, *, warn=True):

@@ -361,6 +361,12 @@ class Posterior(abc.ABC):
     #: held-out rows then choose the noise variance alone, the posterior refitted.
     refits_noise: bool = False
 
+    #: Regression: whether the latent predictive stays the same when the noise variance
+    #: alone is calibrated (:meth:`predict` does not read it), so that the held-out
+    #: rows' latent predictive read by that calibration is reused for the conformal
+    #: scores; otherwise they are predicted again after it.
+    latent_keeps_noise: bool = True
+
     #: At most this many torch intra-op threads while :meth:`calibrate` runs (its
     #: many held-out NLL evaluations are small tensor operations); 0: unchanged.
     calibration_threads: int = 0
@@ -383,7 +389,7 @@ class Posterior(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not refit its noise")
 
     def calibrate(self, validation: FitData, *, noise: bool, temperature: bool,
-                  generator: torch.Generator | None = None) -> None:
+                  generator: torch.Generator | None = None):
         """Calibrate one scalar on held-out rows, keeping the latent covariance's shape.
 
         Regression (when ``noise``): a :attr:`rescalable` posterior's scale ``c`` of
@@ -402,11 +408,20 @@ class Posterior(abc.ABC):
             Which scalar may be calibrated (only ``"auto"`` ones are).
         generator : torch.Generator, optional
             Random source of a row subset and of Monte Carlo draws.
+
+        Returns
+        -------
+        HeldOutLatent or None
+            The latent predictive of the calibrated posterior on the held-out rows
+            the calibration read (all of them, or a random subset of
+            :data:`~sklearn_lla._core.calibration.CALIBRATION_ROWS`), for the
+            split-conformal scores to reuse; ``None`` when no latent predictive was
+            formed (nothing calibrated, or the noise refitted from held-out scores).
         """
         from .utils import torch_threads
 
         with torch_threads(self.calibration_threads):
-            self._calibrate(validation, noise, temperature, generator)
+            return self._calibrate(validation, noise, temperature, generator)
 
     def _calibrate(self, validation, noise, temperature, generator):
         """:meth:`calibrate` itself (under its thread limit)."""
@@ -416,28 +431,40 @@ class Posterior(abc.ABC):
         lik = self.likelihood
         regression = lik.task == "regression"
         if not (noise if regression else temperature):
-            return
+            return None
+        latent = None
         if regression and self.refits_noise and not self.auto_prior:
             score, base_noise = self.held_out_pairs(validation)
             s2, trace = cal.calibrate_noise_refit(score, self.prior_variance, base_noise)
             self.refit_noise(s2)
         elif regression and self.rescalable:
-            mean, cov, y = cal.held_out_predictive(self, validation, max_rows=None)
+            mean, cov, y, rows = cal.held_out_predictive(self, validation, max_rows=None,
+                                                         return_rows=True)
             c, trace = cal.calibrate_scale(mean, cov, y, self.prior_variance,
                                            lik.noise_variance)
             self.rescale(c)
+            # the posterior at (c s0^2, c s2) is c times the one the rows were read at
+            latent = cal.HeldOutLatent(rows, mean, cov.mul_(c))
         elif regression:
-            mean, cov, y = cal.held_out_predictive(self, validation, generator=generator)
+            mean, cov, y, rows = cal.held_out_predictive(self, validation, generator=generator,
+                                                         max_rows=cal.CALIBRATION_ROWS,
+                                                         return_rows=True)
             s2, trace = cal.calibrate_noise(mean, cov, y)
             self.likelihood = lik.with_noise(s2)
             if hasattr(self, "noise_variance"):
                 self.noise_variance = s2
+            if self.latent_keeps_noise:
+                latent = cal.HeldOutLatent(rows, mean, cov)
         else:
-            mean, cov, y = cal.held_out_predictive(self, validation, generator=generator)
+            mean, cov, y, rows = cal.held_out_predictive(self, validation, generator=generator,
+                                                         max_rows=cal.CALIBRATION_ROWS,
+                                                         return_rows=True)
             eps = None
             if uses_mc_link(lik):
                 gen = generator if generator is not None else torch.Generator().manual_seed(0)
                 eps = torch.randn((lik.n_samples, *mean.shape), dtype=mean.dtype, generator=gen)
             T, trace = cal.calibrate_temperature(lik, mean, cov, y, eps=eps)
             self.likelihood = lik.with_temperature(T)
+            latent = cal.HeldOutLatent(rows, mean, cov)  # a temperature leaves the latent
         self.hyper_trace = {**(self.hyper_trace or {}), "calibration": trace}
+        return latent
