@@ -31,7 +31,8 @@ import torch
 from torch import Tensor
 from torch.func import jacrev, vjp, vmap
 
-__all__ = ["DenseRows", "FactoredBackend", "JacobianBackend", "Rows", "device_budget", "gram64"]
+__all__ = ["DenseRows", "FactoredBackend", "JacobianBackend", "Rows", "device_budget",
+           "flat_directions", "gram64"]
 
 _F64 = torch.float64
 
@@ -49,6 +50,30 @@ CUDA_SHARE = 1 / 16
 #: Elements of a float64 column block :func:`gram64` converts at once: the product of
 #: wide rows is accumulated over column blocks, never through a float64 copy of all.
 GRAM_BLOCK_ELEMENTS = 2**24
+
+
+def flat_directions(V: dict, names, numels, dtype, device) -> Tensor:
+    """Directions ``{name: (K, *shape)}`` as ``(K, sum(numels))`` columns in ``names``
+    order, in ``dtype`` (names missing from ``V`` count as 0).
+
+    Parameters
+    ----------
+    V : dict of str to Tensor of shape (K, *param_shape)
+    names : list of str
+    numels : list of int
+        The sizes of ``names``' parameters.
+    dtype : torch.dtype
+    device : torch.device
+
+    Returns
+    -------
+    Tensor of shape (K, sum(numels))
+    """
+    K = next(iter(V.values())).shape[0]
+    return torch.cat([
+        (V[n].to(dtype).reshape(K, -1) if n in V else
+         torch.zeros(K, k, dtype=dtype, device=device))
+        for n, k in zip(names, numels)], dim=1)
 
 
 def device_budget(elements: int, device) -> int:
@@ -170,7 +195,8 @@ class Rows(abc.ABC):
         Tensor of shape (n_rows, K), dtype float64
         """
         R = self.dense().to(_F64)
-        return (R * R) @ self._flat(w, R.shape[1]).T
+        lin = self._lin
+        return (R * R) @ flat_directions(w, lin.names, lin.numels, _F64, R.device).T
 
     def mixed_sq_colsum(self, M: Tensor) -> dict:
         """``sum_b sum_j (sum_c M_bjc R_(b,c))^2`` per parameter entry, float64 (the
@@ -188,15 +214,6 @@ class Rows(abc.ABC):
         R = self.dense().to(_F64)
         G = M.to(_F64) @ R.view(-1, self.rows_per_point, R.shape[1])
         return {n: v[0] for n, v in self._lin.unflatten((G * G).sum((0, 1))[None]).items()}
-
-    def _flat(self, w: dict, P: int) -> Tensor:
-        """``w`` as ``(K, P)`` float64 columns in the network's order (missing: 0)."""
-        lin = self._lin
-        K = next(iter(w.values())).shape[0]
-        return torch.cat([
-            (w[n].to(_F64).reshape(K, -1) if n in w else
-             torch.zeros(K, k, dtype=_F64, device=next(iter(w.values())).device))
-            for n, k in zip(lin.names, lin.numels)], dim=1)
 
 
 class DenseRows(Rows):
@@ -291,12 +308,8 @@ class DenseRows(Rows):
         Tensor of shape (n_rows, K)
         """
         lin = self._lin
-        K = next(iter(V.values())).shape[0]
-        flat = torch.cat([
-            (V[n].to(self.R.dtype).reshape(K, -1) if n in V else
-             torch.zeros(K, k, dtype=self.R.dtype, device=self.R.device))
-            for n, k in zip(lin.names, lin.numels)], dim=1)
-        if K == 1:
+        flat = flat_directions(V, lin.names, lin.numels, self.R.dtype, self.R.device)
+        if flat.shape[0] == 1:
             return (self.R @ flat[0]).unsqueeze(1)
         return self.R @ flat.T
 

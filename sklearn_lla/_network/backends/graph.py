@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from ..structured.jacobian import LayerFactor, StructuredJacobian, _to_f64
 from ..structured.trace import share_copy
-from .base import DenseRows, FactoredBackend, Rows, device_budget, gram64
+from .base import DenseRows, FactoredBackend, Rows, device_budget, flat_directions, gram64
 
 __all__ = ["GraphBackend", "GraphRows"]
 
@@ -192,6 +192,9 @@ class GraphRows(Rows):
     def __len__(self) -> int:
         return self.n_rows
 
+    def _dense_numels(self) -> list[int]:
+        return [self._lin.params[n].numel() for n in self.dense_names]
+
     def _pair(self, other, differentiable):
         if isinstance(other, DenseRows):  # rows of the generic fallback
             a = _to_f64(self.dense()) if differentiable else self.dense().to(_F64)
@@ -290,12 +293,8 @@ class GraphRows(Rows):
         if self.factors is not None and any(n in V for n in self.factors.param_names):
             out = self.factors.matmul(V)
         if self.D is not None:
-            lin = self._lin
-            flat = torch.cat([
-                (V[n].to(self.D.dtype).reshape(K, -1) if n in V else
-                 torch.zeros(K, lin.params[n].numel(), dtype=self.D.dtype,
-                             device=self.D.device))
-                for n in self.dense_names], dim=1)
+            flat = flat_directions(V, self.dense_names, self._dense_numels(), self.D.dtype,
+                                   self.D.device)
             z = self.D @ flat.T
             out = z if out is None else out + z
         if out is None:
@@ -321,11 +320,7 @@ class GraphRows(Rows):
         if self.factors is not None and any(n in w for n in self.factors.param_names):
             out += self.factors.weighted_sq_norms(w)
         if self.D is not None:
-            lin = self._lin
-            flat = torch.cat([
-                (w[n].to(_F64).reshape(K, -1) if n in w else
-                 torch.zeros(K, lin.params[n].numel(), dtype=_F64, device=dev))
-                for n in self.dense_names], dim=1)
+            flat = flat_directions(w, self.dense_names, self._dense_numels(), _F64, dev)
             D = self.D.to(_F64)
             out += (D * D) @ flat.T
         return out
