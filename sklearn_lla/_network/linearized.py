@@ -560,8 +560,7 @@ class LinearizedNet:
         n_outputs : int
             ``C``.
         budget : int, default=2**25
-            Tensor elements allowed for one chunk on the CPU (scaled for a CUDA
-            device by :func:`~sklearn_lla._network.backends.base.device_budget`).
+            Tensor elements of one chunk on the CPU (scaled by ``device_budget``).
 
         Returns
         -------

@@ -195,6 +195,15 @@ class GraphRows(Rows):
     def _dense_numels(self) -> list[int]:
         return [self._lin.params[n].numel() for n in self.dense_names]
 
+    def _columns(self, flat: Tensor, names) -> dict:
+        """The last dimension of ``flat`` cut into ``names``' parameters, in order."""
+        out, start = {}, 0
+        for n in names:
+            size = self._lin.params[n].numel()
+            out[n] = flat[..., start:start + size]
+            start += size
+        return out
+
     def _pair(self, other, differentiable):
         if isinstance(other, DenseRows):  # rows of the generic fallback
             a = _to_f64(self.dense()) if differentiable else self.dense().to(_F64)
@@ -269,11 +278,8 @@ class GraphRows(Rows):
         res = {} if self.factors is None else dict(self.factors.vjp(U))
         if self.D is not None:
             flat = U.to(self.D.dtype).T @ self.D  # (K, p_dense)
-            start = 0
-            for n in self.dense_names:
-                size = lin.params[n].numel()
-                res[n] = flat[:, start:start + size].reshape(-1, *lin.params[n].shape)
-                start += size
+            for n, c in self._columns(flat, self.dense_names).items():
+                res[n] = c.reshape(-1, *lin.params[n].shape)
         return {n: res[n] for n in lin.names}
 
     def matmul(self, V: dict) -> Tensor:
@@ -340,12 +346,8 @@ class GraphRows(Rows):
         if self.D is not None:
             D = self.D.to(_F64).view(self.n_points, self.rows_per_point, -1)
             G = M.to(_F64) @ D
-            flat = (G * G).sum((0, 1))
-            start = 0
-            for n in self.dense_names:
-                p = self._lin.params[n]
-                res[n] = flat[start:start + p.numel()].view(p.shape)
-                start += p.numel()
+            for n, c in self._columns((G * G).sum((0, 1)), self.dense_names).items():
+                res[n] = c.view(self._lin.params[n].shape)
         return {n: res[n] for n in self._lin.names}
 
     def dense(self) -> Tensor:
@@ -357,18 +359,9 @@ class GraphRows(Rows):
         """
         blocks = {}
         if self.factors is not None:
-            F_ = self.factors.dense()
-            start = 0
-            for n in self.factors.param_names:
-                size = self._lin.params[n].numel()
-                blocks[n] = F_[:, start:start + size]
-                start += size
+            blocks.update(self._columns(self.factors.dense(), self.factors.param_names))
         if self.D is not None:
-            start = 0
-            for n in self.dense_names:
-                size = self._lin.params[n].numel()
-                blocks[n] = self.D[:, start:start + size]
-                start += size
+            blocks.update(self._columns(self.D, self.dense_names))
         return torch.cat([blocks[n] for n in self._lin.names], dim=1)
 
 
@@ -659,22 +652,9 @@ class GraphBackend(FactoredBackend):
             blocks.append(Fx.diag_blocks())
         return torch.cat(parts), torch.cat(blocks)
 
-    def jvp(self, x: Tensor, T: dict) -> tuple[Tensor, Tensor]:
-        K = next((t.shape[0] for t in T.values()), None)
-        if K is None:
-            raise ValueError("tangents is empty")
-        B = x.shape[0]
-        step = self.kernel_step(self._n_outputs(x))
-        gs, jvs = [], []
-        with torch.no_grad():
-            for s in range(0, B, step):
-                R = self.rows(x[s:s + step])
-                b, C = R.output.shape
-                gs.append(R.output)
-                jvs.append(R.matmul(T).view(b, C, K))
-        return torch.cat(gs), torch.cat(jvs)
-
-    def jvp_and_ntk_diag(self, x: Tensor, T: dict) -> tuple[Tensor, Tensor, Tensor]:
+    def _jvp_chunks(self, x: Tensor, T: dict, with_blocks: bool) -> tuple:
+        """``(g, J T)`` and, with ``with_blocks``, the diagonal NTK blocks, chunk by
+        chunk from the rows of each chunk."""
         K = next((t.shape[0] for t in T.values()), None)
         if K is None:
             raise ValueError("tangents is empty")
@@ -686,8 +666,16 @@ class GraphBackend(FactoredBackend):
                 b, C = R.output.shape
                 gs.append(R.output)
                 jvs.append(R.matmul(T).view(b, C, K))
-                blocks.append(R.diag_blocks())
-        return torch.cat(gs), torch.cat(jvs), torch.cat(blocks)
+                if with_blocks:
+                    blocks.append(R.diag_blocks())
+        out = (torch.cat(gs), torch.cat(jvs))
+        return out + (torch.cat(blocks),) if with_blocks else out
+
+    def jvp(self, x: Tensor, T: dict) -> tuple[Tensor, Tensor]:
+        return self._jvp_chunks(x, T, False)
+
+    def jvp_and_ntk_diag(self, x: Tensor, T: dict) -> tuple[Tensor, Tensor, Tensor]:
+        return self._jvp_chunks(x, T, True)
 
     def vjp(self, x: Tensor, cotangents: Tensor) -> dict:
         K, B, C = cotangents.shape
@@ -707,6 +695,7 @@ def _cat_rows(parts: list[GraphRows], D: Tensor | None, lin) -> GraphRows:
     """The rows of consecutive chunks of points as one :class:`GraphRows` (their dense
     blocks already gathered in ``D``)."""
     first = parts[0]
+    output = torch.cat([p.output for p in parts])
     sj = None
     if first.factors is not None:
         layers = [LayerFactor(torch.cat([p.factors.layers[j].delta for p in parts]),
@@ -714,9 +703,8 @@ def _cat_rows(parts: list[GraphRows], D: Tensor | None, lin) -> GraphRows:
                               f.weight_name, f.bias_name)
                   for j, f in enumerate(first.factors.layers)]
         sj = StructuredJacobian(layers, first.rows_per_point, first.factors.param_names,
-                                torch.cat([p.output for p in parts]))
-    return GraphRows(sj, D, first.dense_names, first.rows_per_point, lin,
-                     torch.cat([p.output for p in parts]))
+                                output)
+    return GraphRows(sj, D, first.dense_names, first.rows_per_point, lin, output)
 
 
 def _reference_rows(lin, x: Tensor, out_idx: Tensor | None = None) -> Tensor:
