@@ -102,6 +102,9 @@ class HyperContext:
         Parameters (the weight norm ``||theta||^2 / P``).
     n_outside : int
         Parameter directions outside the feature space (:func:`glm_log_evidence`).
+    outside_log_det : callable or None
+        ``(s0^2, s2) -> (value, d / d log s0^2, d / d log s2)``: the Occam term of a
+        posterior's curvature outside its feature space (:func:`glm_log_evidence`).
     prior_scale : float
         The prior precision's weight ``n_seen / N`` during early stopping: the
         evidence is that of the ``n_seen`` rows seen, at prior ``s0^2 / prior_scale``.
@@ -133,6 +136,7 @@ class HyperContext:
     n_obs: int = 0
     n_params: int = 1
     n_outside: int = 0
+    outside_log_det: Callable | None = None
     prior_scale: float = 1.0
     score: Callable | None = None
     base_prior: float | None = None
@@ -149,7 +153,8 @@ class HyperContext:
         """The keyword arguments of :func:`glm_log_evidence`."""
         return dict(eigvals=np.clip(np.asarray(self.eigvals, dtype=np.float64), 0.0, None),
                     theta_sq_norm=self.theta_sq_norm, data_fit=self.data_fit,
-                    n_obs=self.n_obs, n_outside=self.n_outside)
+                    n_obs=self.n_obs, n_outside=self.n_outside,
+                    outside_log_det=self.outside_log_det)
 
 
 def _value(v):
@@ -182,11 +187,11 @@ class Fixed(_Strategy):
 
 
 def glm_log_evidence(prior_variance, noise_variance, *, eigvals, theta_sq_norm, data_fit,
-                     n_obs=0, n_outside=0):
+                     n_obs=0, n_outside=0, outside_log_det=None):
     """Laplace log marginal likelihood of a linearised (GLM) model, up to a constant.
 
     ``log Z = log p(y | theta_hat) - ||theta_hat||^2 / (2 s0^2)
-    - 1/2 sum_i log(1 + s0^2 e_i) - n_outside / 2 log s0^2``
+    - 1/2 sum_i log(1 + s0^2 e_i) - n_outside / 2 log s0^2 - 1/2 L_perp(s0^2, s2)``
 
     Parameters
     ----------
@@ -208,6 +213,12 @@ def glm_log_evidence(prior_variance, noise_variance, *, eigvals, theta_sq_norm, 
         Parameter directions outside the feature space (``P - K`` for a K-dimensional
         subspace of P parameters; 0 for the full space). Their prior normaliser stays
         in the evidence of a subspace Laplace approximation.
+    outside_log_det : callable or None
+        ``(s0^2, s2) -> (L_perp, ...)``: ``log det(I + s0^2 H_perp / s2)`` of the
+        curvature a posterior puts outside its feature space (ELLA's and subspace
+        Laplace's KFAC complement,
+        :meth:`~sklearn_lla._posteriors.complement.KFACComplement.outside_log_det`);
+        ``None``: none (0).
 
     Returns
     -------
@@ -220,8 +231,10 @@ def glm_log_evidence(prior_variance, noise_variance, *, eigvals, theta_sq_norm, 
         fit = (-0.5 * n_obs * math.log(2 * math.pi * noise_variance)
                - 0.5 * data_fit / noise_variance)
         r = prior_variance * e / noise_variance
+    outside = 0.0 if outside_log_det is None else outside_log_det(prior_variance,
+                                                                 noise_variance)[0]
     return (fit - 0.5 * theta_sq_norm / prior_variance - 0.5 * np.log1p(r).sum()
-            - 0.5 * n_outside * math.log(prior_variance))
+            - 0.5 * n_outside * math.log(prior_variance) - 0.5 * outside)
 
 
 class Evidence(_Strategy):
@@ -249,7 +262,8 @@ class Evidence(_Strategy):
         ----------
         ctx : HyperContext
             ``eigvals``, ``theta_sq_norm``, ``data_fit``, ``n_obs``, ``n_outside``,
-            ``n_params`` (the start ``||theta||^2 / P``) and ``prior_scale``.
+            ``outside_log_det``, ``n_params`` (the start ``||theta||^2 / P``) and
+            ``prior_scale``.
 
         Returns
         -------
@@ -257,7 +271,7 @@ class Evidence(_Strategy):
         """
         kw = ctx.evidence_kwargs
         e, theta_sq_norm, data_fit = kw["eigvals"], ctx.theta_sq_norm, ctx.data_fit
-        n_obs, n_outside = ctx.n_obs, ctx.n_outside
+        n_obs, n_outside, outside = ctx.n_obs, ctx.n_outside, ctx.outside_log_det
         regression = ctx.noise_variance is not None
         fit_prior = ctx.prior_variance == "auto"
         fit_noise = regression and ctx.noise_variance == "auto"
@@ -282,14 +296,20 @@ class Evidence(_Strategy):
             a, b = unpack(u)
             r = a * e / b if regression else a * e
             frac = r / (1.0 + r)
-            val = glm_log_evidence(a, b, **kw)
+            val = glm_log_evidence(a, b, **{**kw, "outside_log_det": None})
+            d_prior = d_noise = 0.0
+            if outside is not None:  # the complement's Occam term, evaluated once
+                v_out, d_prior, d_noise = outside(a, b)
+                val -= 0.5 * v_out
             tried.append((a, b))
             scores.append(val)
             grad = []
             if fit_prior:
-                grad.append(0.5 * theta_sq_norm / a - 0.5 * frac.sum() - 0.5 * n_outside)
+                grad.append(0.5 * theta_sq_norm / a - 0.5 * frac.sum() - 0.5 * n_outside
+                            - 0.5 * d_prior)
             if fit_noise:
-                grad.append(-0.5 * n_obs + 0.5 * data_fit / b + 0.5 * frac.sum())
+                grad.append(-0.5 * n_obs + 0.5 * data_fit / b + 0.5 * frac.sum()
+                            - 0.5 * d_noise)
             return -val, -np.asarray(grad)
 
         u0 = ([math.log(s0)] if fit_prior else []) + ([math.log(s2)] if fit_noise else [])

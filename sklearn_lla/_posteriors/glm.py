@@ -595,7 +595,9 @@ class GLMPosterior(Posterior):
             eigvals=None if e is None else e.cpu().numpy(),
             theta_sq_norm=feats.theta_sq_norm, data_fit=fit_stat,
             n_obs=n_seen * self._n_outputs, n_params=feats.lin.n_params,
-            n_outside=self._n_outside, prior_scale=prior_scale, warn=warn)
+            n_outside=self._n_outside, prior_scale=prior_scale, warn=warn,
+            outside_log_det=(None if self.complement is None
+                             else self.complement.outside_log_det))
 
     def _strategy_obj(self):
         """The strategy object of :attr:`_strategy`."""
