@@ -106,8 +106,9 @@ def _kfac_pass(payload, batches):
                 G[j] += df.T @ df
                 if T == 1:
                     tr += float((d[..., 0].pow(2).sum(-1) * a[:, None, 0].pow(2).sum(-1)).sum())
-                else:
-                    tr += float(torch.einsum("bkot,bti->bkoi", d, a).pow(2).sum())
+                else:  # the row blocks sum_t d_t abar_t^T, formed: (b, K, out, in')
+                    b_, K_, o_ = d.shape[:3]
+                    tr += float(torch.bmm(d.reshape(b_, K_ * o_, T), a).pow(2).sum())
             if D is not None:
                 sq = D.pow(2).sum((0, 1))
                 diag += sq
@@ -277,7 +278,7 @@ class KFACComplement:
                 continue
             a, d = f
             at = a @ Ua  # (B, T, in')
-            dt = torch.einsum("op,bcot->bcpt", Ug, d)  # (B, C, out, T)
+            dt = Ug.T @ d  # (B, C, out, T)
             if a.shape[1] == 1:  # one position: the block is never formed
                 at, dt = at[:, 0], dt[..., 0]
                 if joint:
@@ -285,12 +286,14 @@ class KFACComplement:
                     quad += torch.einsum("pci,pqi,qdi->pcqd", dt, Tm, dt).reshape(B * C, -1)
                 else:
                     t = (at * at) @ w.T  # (B, out)
-                    quad += torch.einsum("bci,bdi,bi->bcd", dt, dt, t)
+                    quad += (dt * t[:, None, :]) @ dt.transpose(1, 2)
                 if JU is not None:
-                    JU += torch.einsum("bco,bko->bck", dt,
-                                       torch.einsum("koi,bi->bko", U[j], at))
+                    K, o = U[j].shape[:2]
+                    tmp = (U[j].reshape(K * o, -1) @ at.T).reshape(K, o, B)  # (K, out, B)
+                    JU += dt @ tmp.permute(2, 1, 0)
                 continue
-            Z = torch.einsum("bcot,bti->bcoi", dt, at).reshape(B, C, -1)
+            # the rotated row blocks, one batched product per point: (B, C, out in')
+            Z = torch.bmm(dt.reshape(B, -1, dt.shape[-1]), at).reshape(B, C, -1)
             if joint:
                 Zs = Z.reshape(B * C, -1) * w.reshape(-1).sqrt()
                 quad += Zs @ Zs.T
