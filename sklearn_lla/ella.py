@@ -105,8 +105,10 @@ class ELLARegressor(_ELLAMixin, LaplaceRegressorMixin):
         KFAC (Kronecker-factored GGN) posterior projected on them,
         ``j_perp^T Sigma_KFAC j_perp``: at large ``N`` the top-``K`` Nystrom
         directions are those the data pin down and most of exact LLA's epistemic
-        variance lies outside them (measured in ``docs/ella.md``); networks without
-        the structured Jacobian backend fall back to ``False``. ``True``: the prior variance,
+        variance lies outside them (measured in ``docs/ella.md``); on the structured
+        (``nn.Linear`` chains) and graph (convolutional / residual nets; BatchNorm's
+        parameters get a diagonal block) Jacobian backends, networks on the generic
+        one fall back to ``False``. ``True``: the prior variance,
         ``s0^2 (k(x,x) - phi(x) phi(x)^T)`` (full-rank ELLA then equals exact LLA at
         every input; at large ``N`` it overshoots). ``False``: none (the paper's,
         formerly the default).
@@ -131,7 +133,7 @@ class ELLARegressor(_ELLAMixin, LaplaceRegressorMixin):
         Eigenpairs kept.
     residual_correction_ : bool or "kfac"
         The posterior outside ``span(V)`` in use (``"kfac"`` falls back to ``False``
-        without the structured Jacobian backend).
+        on the generic ``torch.func`` Jacobian backend).
     n_seen_ : int
         Training points accumulated (fewer than N after early stopping).
     validation_scores_ : list of tuple

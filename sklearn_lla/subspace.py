@@ -97,7 +97,8 @@ class SubspaceLaplaceRegressor(_SubspaceMixin, LaplaceRegressorMixin):
         to the predictive (the posterior is then the full-network Laplace
         approximation with the GGN compressed onto ``span(P)``, and the evidence is
         that model's). ``"auto"``: ``"kfac"`` for the low-rank projectors built on
-        training inputs of networks with the structured Jacobian backend; on others
+        training inputs of networks with the structured or graph Jacobian backend
+        (chains of ``nn.Linear``; convolutional / residual nets); on others
         ``True``, unless ``span(P)`` misses directions the training data determine
         (the residual would add more than 0.25 x the noise variance to a training
         row's latent variance; ``residual_excess_``): then off, with a

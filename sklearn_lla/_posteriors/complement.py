@@ -4,7 +4,7 @@ ELLA and subspace Laplace keep ``K`` directions ``Q`` (orthonormal rows, K x P) 
 compute the posterior exactly inside ``span(Q)``. Outside it the exact posterior
 covariance ``S = (GGN / s2 + I / s0^2)^-1`` is not the prior: at large ``N`` the
 kept directions are the ones the data pin down hardest, and most of exact LLA's
-epistemic variance lives in the directions left out, shrunk by the data but far
+epistemic variance lies in the directions left out, shrunk by the data but far
 from to zero (issue 34: the top-``K`` part alone kept 0.3 - 3 % of it, the prior on
 the rest 3.6 - 15 x). With ``P_perp = I - Q^T Q`` the complement's share is taken from
 a Kronecker-factored (KFAC, type-2) approximation ``Sigma`` of the *full* posterior
@@ -15,22 +15,32 @@ covariance,
 exact when ``span(Q)`` is an invariant subspace of the GGN and ``Sigma`` exact, equal
 to the KFAC Laplace predictive for ``K = 0``. Expanded,
 
-``j_perp^T Sigma j_perp = j^T Sigma j - 2 phi (Q Sigma j) + phi (Q Sigma Q^T) phi^T``:
+``j_perp^T Sigma j_perp = j^T Sigma j - 2 phi (Q Sigma j) + phi (Q Sigma Q^T) phi^T``.
 
-``j^T Sigma j`` costs ``O(in^2 + out^2 + in out)`` per layer and row from the factored
-Jacobian ``delta (x) a`` of a linear layer (:class:`~sklearn_lla._network.structured.
-jacobian.StructuredJacobian`), ``Q Sigma j`` is one JVP with the ``K`` fixed tangents
-``Sigma Q^T``. The KFAC factors are accumulated here from the same factored
-Jacobians (one pass): ``A_l = mean_n abar abar^T`` (``abar = [a, 1]`` with a bias),
-``G_l = sum_n sum_c (Lam_n^{1/2} delta_nc)(...)^T`` (unit noise for a Gaussian
-likelihood), the GGN block ``~ G_l (x) A_l``; both are eigendecomposed once, so
-``Sigma = mult * (H_unit + tau I)^-1`` for any hyperparameters (``mult = s2``,
-``tau = s2 / s0^2`` in regression; ``mult = 1``, ``tau = 1 / s0^2`` in
-classification) costs only new eigenvalue weights. All curvature algebra is float64.
+The parameters are Kronecker blocks and diagonal parameters, described per Jacobian
+backend by a *layer factors* object (:mod:`~sklearn_lla._posteriors.kfac_layers`): a
+block ``W`` (``out x in'``, the bias as a last column) has the row block
+``sum_t d_t abar_t^T`` over its positions ``t`` (one for a ``nn.Linear`` of a chain;
+a convolution's output positions against its unfolded input patches). The factors
+are accumulated in one pass over the training rows, in the KFC sense (Grosse &
+Martens 2016; "KFAC-expand"):
 
-Networks outside the structured backend (chains of ``nn.Linear`` and elementwise
-maps) have no factored Jacobian; there the estimators fall back to the prior
-residual (see :func:`supports_kfac_complement`).
+``A = mean_n mean_t abar_nt abar_nt^T``,
+``G = sum_n sum_k sum_t d_nkt d_nkt^T``  (``d_nk = sum_c M_kc d_nc``, ``M M^T`` the
+likelihood's curvature ``Lam_n``; unit noise for a Gaussian likelihood),
+
+the GGN block ``~ G (x) A``, exact for one position and a single layer; a diagonal
+parameter (BatchNorm's weight and bias) gets its exact diagonal GGN entry, from its
+dense rows in the same pass. Both factors are eigendecomposed once, so ``Sigma =
+mult * (H_unit + tau I)^-1`` for any hyperparameters (``mult = s2``, ``tau = s2 /
+s0^2`` in regression; ``mult = 1``, ``tau = 1 / s0^2`` in classification) costs only
+new eigenvalue weights. Per row, ``j^T Sigma j`` and ``Q Sigma j`` are read from the
+row block rotated into the eigenbases, ``Ug^T (sum_t d_t abar_t^T) Ua = sum_t (Ug^T
+d_t)(Ua^T abar_t)^T`` (for one position never formed: ``O(in^2 + out^2 + in out)``
+per layer and row). All curvature algebra is float64.
+
+Networks on the generic ``torch.func`` backend have no layer factors; there the
+estimators fall back to the prior residual (see :func:`supports_kfac_complement`).
 
 :class:`DiagonalComplement` is the complement VaLLA uses (``covariance=
 "subspace+diagonal"``): a diagonal posterior computed from Jacobian rows and the
@@ -41,6 +51,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
+from .kfac_layers import layer_factors, supports_layer_factors
 
 __all__ = ["KFACComplement", "supports_kfac_complement", "OUTSIDE_RTOL",
            "DiagonalComplement", "row_subset", "weighted_sq_norms", "mixed_sq_colsum"]
@@ -54,45 +66,55 @@ OUTSIDE_RTOL = 1e-6
 
 
 def supports_kfac_complement(lin) -> bool:
-    """Whether ``lin`` has factored Jacobians (the structured backend)."""
-    return getattr(lin, "backend", None) == "structured"
+    """Whether ``lin``'s Jacobian backend has layer factors (structured or graph)."""
+    return supports_layer_factors(lin)
 
 
-def _abar(layer, act):
-    """``[a, 1]`` (weight and bias), ``a`` (weight only) or ``1`` (bias only), float64."""
-    parts = []
-    if layer.has_weight:
-        parts.append(act)
-    if layer.has_bias:
-        parts.append(torch.ones((act.shape[0], 1), dtype=_F64, device=act.device))
-    return torch.cat(parts, dim=1)
+def _chunks(src, x, C):
+    """Slices of ``x`` that fit one product of the layer factors ``src``."""
+    step = max(1, int(src.step(C)))
+    return [slice(s, s + step) for s in range(0, x.shape[0], step)]
 
 
 def _kfac_pass(payload, batches):
-    """Row sums of the KFAC factors: ``(sum abar abar^T per layer..., sum G per layer...,
-    n_points, tr GGN)`` over ``batches`` (unit noise for a Gaussian likelihood)."""
+    """Row sums of the KFAC factors: ``(sum_n mean_t abar abar^T per block..., G per
+    block..., diagonal GGN, n_points, tr GGN)`` over ``batches`` (module docstring)."""
     lin, lik = payload
-    A, G, n, tr = None, None, 0, 0.0
+    src = layer_factors(lin)
+    mix = None if lik.unit_curvature else (lambda g: lik.lam_factor(g).transpose(1, 2))
+    A = G = None
+    diag = torch.zeros(sum(lin.params[n].numel() for n in src.diag_names), dtype=_F64,
+                       device=lin.device)
+    n, tr, C = 0, 0.0, None
     for x, _ in batches:
-        F = lin.factored_jacobian(x)
-        B, C = F.n_points, F.rows_per_point
-        lam = None
-        if not lik.unit_curvature:
-            lam = lik.lam_factor(F.output.to(_F64))  # (B, C, C), Lam = lam lam^T
-        a_sums, g_sums = [], []
-        for layer in F.layers:
-            a = _abar(layer, layer.act.to(_F64))
-            d = layer.delta.to(_F64).reshape(B, C, -1)
-            if lam is not None:
-                d = torch.einsum("bck,bco->bko", lam, d)
-            d = d.reshape(-1, d.shape[-1])
-            a_sums.append(a.T @ a)
-            g_sums.append(d.T @ d)
-            tr += float((d.pow(2).sum(1).reshape(B, C).sum(1) * a.pow(2).sum(1)).sum())
-        A = a_sums if A is None else [s + t for s, t in zip(A, a_sums)]
-        G = g_sums if G is None else [s + t for s, t in zip(G, g_sums)]
-        n += B
-    return (*A, *G, n, tr)
+        x = lin._input(x)
+        if A is None:
+            blocks = src.blocks(x)
+            A = [torch.zeros((b.n_in, b.n_in), dtype=_F64, device=lin.device) for b in blocks]
+            G = [torch.zeros((b.out, b.out), dtype=_F64, device=lin.device) for b in blocks]
+            C = lin.n_outputs(x)
+        for sl in _chunks(src, x, C):
+            _, facs, D = src.factors(x[sl], mix)
+            for j, f in enumerate(facs):
+                if f is None:
+                    continue
+                a, d = f  # (b, T, in'), (b, K, out, T)
+                T = a.shape[1]
+                af = a.reshape(-1, a.shape[-1])
+                A[j] += (af.T @ af) / T
+                df = d.transpose(2, 3).reshape(-1, d.shape[2])
+                G[j] += df.T @ df
+                if T == 1:
+                    tr += float((d[..., 0].pow(2).sum(-1) * a[:, None, 0].pow(2).sum(-1)).sum())
+                else:  # the row blocks sum_t d_t abar_t^T, formed: (b, K, out, in')
+                    b_, K_, o_ = d.shape[:3]
+                    tr += float(torch.bmm(d.reshape(b_, K_ * o_, T), a).pow(2).sum())
+            if D is not None:
+                sq = D.pow(2).sum((0, 1))
+                diag += sq
+                tr += float(sq.sum())
+        n += x.shape[0]
+    return (*A, *G, diag, n, tr)
 
 
 class KFACComplement:
@@ -101,32 +123,48 @@ class KFACComplement:
     Parameters
     ----------
     lin : LinearizedNet
-        The network (structured backend).
+        The network (structured or graph Jacobian backend).
     data : FitData
-        The training stream (one pass of factored Jacobians).
+        The training stream (one pass of layer factors).
     Q : Tensor of shape (K, P) or None
         Orthonormal rows spanning the kept directions (float64); ``None``: nothing
         kept (the KFAC Laplace predictive).
+
+    Attributes
+    ----------
+    blocks : list of KronBlock
+        The Kronecker-factored parameter blocks.
+    diag_names : list of str
+        The parameters with a diagonal curvature.
+    eig : list of tuple
+        Per block ``(lam_G, U_G, lam_A, U_A)``: the factors' eigenpairs, float64.
+    diag : Tensor of shape (p_diag,)
+        The exact diagonal GGN of ``diag_names`` (unit noise), float64.
+    ggn_trace : float
+        ``tr GGN`` (exact, unit noise) of all training rows.
     """
 
     def __init__(self, lin, data, Q):
         if not supports_kfac_complement(lin):
-            raise ValueError("the KFAC complement needs the structured Jacobian backend")
+            raise ValueError("the KFAC complement needs the structured or graph Jacobian "
+                             "backend")
         self.lin = lin
+        self.source = layer_factors(lin)
         self.regression = data.likelihood.task == "regression"
         bs = min(data.batch_size, 1024)
         out = data.reduce(_kfac_pass, (lin, data.likelihood), bs)
-        n, self.ggn_trace = out[-2], float(out[-1])
-        L = (len(out) - 2) // 2
-        probe = lin.factored_jacobian(data.rows(slice(0, 1))[0])
-        self.layers = [(layer.weight_name, layer.bias_name) for layer in probe.layers]
-        if len(self.layers) != L:
+        self.blocks = self.source.blocks(lin._input(data.rows(slice(0, 1))[0]))
+        self.diag_names = list(self.source.diag_names)
+        L = len(self.blocks)
+        if len(out) != 2 * L + 3:
             raise RuntimeError("internal error: KFAC factors do not match the layers")
+        n, self.ggn_trace = out[-2], float(out[-1])
         self.eig = []
         for A, G in zip(out[:L], out[L:2 * L]):
             la, Ua = torch.linalg.eigh(0.5 * (A + A.T) / max(n, 1))
             lg, Ug = torch.linalg.eigh(0.5 * (G + G.T))
             self.eig.append((lg.clamp_min(0.0), Ug, la.clamp_min(0.0), Ua))
+        self.diag = out[2 * L].clamp_min(0.0)
         self.Q = None if Q is None or len(Q) == 0 else Q.to(_F64)
         self._cache, self._rot = {}, None
         self.scale, self.fraction, self.outside_fraction = 1.0, 1.0, None
@@ -144,31 +182,11 @@ class KFACComplement:
         return mult / self.fraction, tau
 
     def _weights(self, tau):
-        """Per layer ``1 / (rho lam_G lam_A^T + tau)`` (out, in'): ``(rho H_KFAC + tau
-        I)^-1``'s eigenvalues in the Kronecker eigenbasis (``rho`` in {0, 1},
-        :meth:`match_trace`)."""
-        return [1.0 / (self.scale * torch.outer(lg, la) + tau) for lg, _, la, _ in self.eig]
-
-    def _to_blocks(self, T):
-        """A dict of parameter tensors (K, *shape) -> per layer (K, out, in')."""
-        out = []
-        for w, b in self.layers:
-            parts = []
-            if w is not None:
-                parts.append(T[w].to(_F64))
-            if b is not None:
-                parts.append(T[b].to(_F64)[..., None])
-            out.append(torch.cat(parts, dim=-1))
-        return out
-
-    def _from_blocks(self, blocks):
-        T = {}
-        for (w, b), X in zip(self.layers, blocks):
-            if w is not None:
-                T[w] = X[..., :X.shape[-1] - (b is not None)]
-            if b is not None:
-                T[b] = X[..., -1]
-        return T
+        """``(rho H_KFAC + tau I)^-1``'s eigenvalues: per block ``1 / (rho lam_G lam_A^T
+        + tau)`` (out, in') in its Kronecker eigenbasis, and ``1 / (rho diag + tau)``
+        for the diagonal parameters (``rho`` in {0, 1}, :meth:`match_trace`)."""
+        W = [1.0 / (self.scale * torch.outer(lg, la) + tau) for lg, _, la, _ in self.eig]
+        return W, 1.0 / (self.scale * self.diag + tau)
 
     def match_trace(self, inside_trace, fraction=1.0, total_trace=None):
         """Switch the complement's curvature off when the data leave none outside ``Q``.
@@ -215,16 +233,20 @@ class KFACComplement:
 
     # ---------------------------------------------------------------- evidence
     def _rotated(self):
-        """``(lam, Qt)``: the unit-noise KFAC eigenvalues (all ``P``, flat) and ``Q``'s
-        rows in the Kronecker eigenbasis (K x P), float64; computed once."""
+        """``(lam, Qt)``: the unit-noise curvature's eigenvalues (all ``P``: every
+        Kronecker block's ``lam_G lam_A^T``, then the diagonal parameters') and ``Q``'s
+        rows in the same eigenbasis (K x P), float64; computed once."""
         if self._rot is None:
-            lam = torch.cat([torch.outer(lg, la).reshape(-1) for lg, _, la, _ in self.eig])
+            lam = torch.cat([torch.outer(lg, la).reshape(-1) for lg, _, la, _ in self.eig]
+                            + [self.diag.reshape(-1)])
             Qt = None
             if self.Q is not None:
-                blocks = self._to_blocks({k: v.to(_F64) for k, v in
-                                          self.lin.unflatten(self.Q).items()})
-                Qt = torch.cat([(Ug.T @ X @ Ua).reshape(X.shape[0], -1) for (_, Ug, _, Ua), X
-                                in zip(self.eig, blocks)], dim=1)
+                Qd = self.lin.unflatten(self.Q)
+                parts = [(Ug.T @ blk.to_matrix(Qd) @ Ua).reshape(len(self.Q), -1)
+                         for blk, (_, Ug, _, Ua) in zip(self.blocks, self.eig)]
+                if self.diag_names:
+                    parts.append(self._diag_matrix(Qd))
+                Qt = torch.cat(parts, dim=1)
             self._rot = (lam, Qt)
         return self._rot
 
@@ -279,46 +301,85 @@ class KFACComplement:
             grad -= float(torch.cholesky_solve(dB, L).diagonal().sum())
         return value, grad, (-grad if noise_variance is not None else 0.0)
 
-    def _apply_unit(self, tau, T):
-        """``(H_unit + tau I)^-1 T`` for a dict of K parameter tensors."""
-        W = self._weights(tau)
-        out = []
-        for (_, Ug, _, Ua), w, X in zip(self.eig, W, self._to_blocks(T)):
-            Y = Ug.T @ X @ Ua
-            out.append(Ug @ (Y * w) @ Ua.T)
-        return self._from_blocks(out)
+    def _diag_matrix(self, T):
+        """The diagonal parameters of ``{name: (K, *shape)}`` as ``(K, p_diag)``."""
+        return torch.cat([T[n].to(_F64).reshape(T[n].shape[0], -1) for n in self.diag_names],
+                         dim=1)
 
     def _pieces(self, tau):
-        """``(weights, Sigma_unit Q^T as tangents, Q Sigma_unit Q^T)`` at ``tau``."""
+        """``(weights, diagonal weights, Sigma_unit Q^T in the eigenbases per block, on
+        the diagonal parameters, Q Sigma_unit Q^T)`` at ``tau``."""
         if tau in self._cache:
             return self._cache[tau]
-        W = self._weights(tau)
-        U = QSQ = None
+        W, wd = self._weights(tau)
+        U = Ud = QSQ = None
         if self.Q is not None:
             Qd = self.lin.unflatten(self.Q)
-            Ud = self._apply_unit(tau, {k: v.to(_F64) for k, v in Qd.items()})
-            from .._network.linearized import stack_flat
-
-            Uf = stack_flat(Ud, self.lin.names).to(_F64)
-            QSQ = self.Q @ Uf.T
+            QSQ = torch.zeros((len(self.Q), len(self.Q)), dtype=_F64, device=self.Q.device)
+            U = []
+            for blk, (_, Ug, _, Ua), w in zip(self.blocks, self.eig, W):
+                Y = Ug.T @ blk.to_matrix(Qd) @ Ua  # (K, out, in'), rotated
+                Yw = Y * w
+                U.append(Yw)
+                QSQ += Y.reshape(len(Y), -1) @ Yw.reshape(len(Y), -1).T
+            if self.diag_names:
+                X = self._diag_matrix(Qd)
+                Ud = X * wd
+                QSQ += X @ Ud.T
             QSQ = 0.5 * (QSQ + QSQ.T)
-            U = self.lin.unflatten(Uf.to(self.lin.dtype))
         if len(self._cache) > 64:
             self._cache.clear()
-        self._cache[tau] = (W, U, QSQ)
+        self._cache[tau] = (W, wd, U, Ud, QSQ)
         return self._cache[tau]
 
     # ---------------------------------------------------------------- prediction
-    def _quad(self, F, W):
-        """``j_c^T Sigma_unit j_d`` per point (B, C, C) from the factored Jacobian."""
-        B, C = F.n_points, F.rows_per_point
-        out = torch.zeros((B, C, C), dtype=_F64, device=F.device)
-        for layer, (_, Ug, _, Ua), w in zip(F.layers, self.eig, W):
-            at = _abar(layer, layer.act.to(_F64)) @ Ua  # (B, in')
-            dt = (layer.delta.to(_F64) @ Ug).reshape(B, C, -1)  # (B, C, out)
-            t = (at * at) @ w.T  # (B, out)
-            out += torch.einsum("bci,bdi,bi->bcd", dt, dt, t)
-        return out
+    def _terms(self, x, tau, joint):
+        """``(j^T Sigma_unit j, j^T Sigma_unit Q^T)`` at ``x``: per point ``(B, C, C)``
+        (``joint``: between all rows, ``(B C, B C)``) and ``(B, C, K)`` (or ``None``)."""
+        W, wd, U, Ud, _ = self._pieces(tau)
+        _, facs, D = self.source.factors(x)
+        B, C = (facs[0][1].shape[:2] if facs and facs[0] is not None else D.shape[:2])
+        quad = torch.zeros((B * C, B * C) if joint else (B, C, C), dtype=_F64,
+                           device=self.lin.device)
+        JU = None if U is None else torch.zeros((B, C, len(self.Q)), dtype=_F64,
+                                                device=self.lin.device)
+        for j, (f, (_, Ug, _, Ua), w) in enumerate(zip(facs, self.eig, W)):
+            if f is None:
+                continue
+            a, d = f
+            at = a @ Ua  # (B, T, in')
+            dt = Ug.T @ d  # (B, C, out, T)
+            if a.shape[1] == 1:  # one position: the block is never formed
+                at, dt = at[:, 0], dt[..., 0]
+                if joint:
+                    Tm = torch.einsum("pj,qj,ij->pqi", at, at, w)  # (B, B, out)
+                    quad += torch.einsum("pci,pqi,qdi->pcqd", dt, Tm, dt).reshape(B * C, -1)
+                else:
+                    t = (at * at) @ w.T  # (B, out)
+                    quad += (dt * t[:, None, :]) @ dt.transpose(1, 2)
+                if JU is not None:
+                    K, o = U[j].shape[:2]
+                    tmp = (U[j].reshape(K * o, -1) @ at.T).reshape(K, o, B)  # (K, out, B)
+                    JU += dt @ tmp.permute(2, 1, 0)
+                continue
+            # the rotated row blocks, one batched product per point: (B, C, out in')
+            Z = torch.bmm(dt.reshape(B, -1, dt.shape[-1]), at).reshape(B, C, -1)
+            if joint:
+                Zs = Z.reshape(B * C, -1) * w.reshape(-1).sqrt()
+                quad += Zs @ Zs.T
+            else:
+                quad += (Z * w.reshape(-1)) @ Z.transpose(1, 2)
+            if JU is not None:
+                JU += Z @ U[j].reshape(len(U[j]), -1).T
+        if D is not None:
+            if joint:
+                Ds = D.reshape(B * C, -1) * wd.sqrt()
+                quad += Ds @ Ds.T
+            else:
+                quad += (D * wd) @ D.transpose(1, 2)
+            if JU is not None:
+                JU += D @ Ud.T
+        return quad, JU
 
     def covariance(self, x, phi_o, s0, s2):
         """``j_perp^T Sigma j_perp`` per point (B, C, C), float64, PSD.
@@ -341,15 +402,18 @@ class KFACComplement:
 
     def unit_covariance(self, x, phi_o, tau):
         """:meth:`covariance` of ``Sigma_unit = (H_unit + tau I)^-1`` (``mult = 1``)."""
-        W, U, QSQ = self._pieces(tau)
-        F = self.lin.factored_jacobian(x)
-        cov = self._quad(F, W)
-        if U is not None:
-            B, C = F.n_points, F.rows_per_point
-            JU = F.matmul(U).to(_F64).reshape(B, C, -1)  # j^T Sigma Q^T
-            P = phi_o.to(_F64)
-            cross = P @ JU.transpose(1, 2)
-            cov = cov - cross - cross.transpose(1, 2) + P @ QSQ @ P.transpose(1, 2)
+        QSQ = self._pieces(tau)[4]
+        x = self.lin._input(x)
+        parts = []
+        C = None if phi_o is None else phi_o.shape[1]
+        for sl in _chunks(self.source, x, C or self.lin.n_outputs(x)):
+            cov, JU = self._terms(x[sl], tau, joint=False)
+            if JU is not None:
+                P = phi_o[sl].to(_F64)
+                cross = P @ JU.transpose(1, 2)
+                cov = cov - cross - cross.transpose(1, 2) + P @ QSQ @ P.transpose(1, 2)
+            parts.append(cov)
+        cov = torch.cat(parts)
         cov = 0.5 * (cov + cov.transpose(1, 2))
         if cov.shape[-1] == 1:
             return cov.clamp_min(0.0)
@@ -359,17 +423,11 @@ class KFACComplement:
     def joint_covariance(self, x, phi_o, s0, s2):
         """The joint ``(B C, B C)`` covariance of ``j_perp^T Sigma j_perp`` across points."""
         mult, tau = self._key(s0, s2)
-        W, U, QSQ = self._pieces(tau)
-        F = self.lin.factored_jacobian(x)
-        B, C = F.n_points, F.rows_per_point
-        cov = torch.zeros((B * C, B * C), dtype=_F64, device=F.device)
-        for layer, (_, Ug, _, Ua), w in zip(F.layers, self.eig, W):
-            at = _abar(layer, layer.act.to(_F64)) @ Ua  # (B, in')
-            dt = (layer.delta.to(_F64) @ Ug).reshape(B, C, -1)
-            T = torch.einsum("pj,qj,ij->pqi", at, at, w)  # (B, B, out)
-            cov += torch.einsum("pci,pqi,qdi->pcqd", dt, T, dt).reshape(B * C, B * C)
-        if U is not None:
-            JU = F.matmul(U).to(_F64).reshape(B * C, -1)
+        QSQ = self._pieces(tau)[4]
+        cov, JU = self._terms(self.lin._input(x), tau, joint=True)
+        if JU is not None:
+            B, C = JU.shape[:2]
+            JU = JU.reshape(B * C, -1)
             P = phi_o.to(_F64).reshape(B * C, -1)
             cross = P @ JU.T
             cov = cov - cross - cross.T + P @ QSQ @ P.T

@@ -318,8 +318,8 @@ class GLMPosterior(Posterior):
     residual_correction : bool or "kfac", default=False
         The posterior outside ``span(V)``: ``True`` the prior,
         ``s0^2 (k(x,x) - phi R^-1 phi^T)``; ``"kfac"`` a KFAC posterior projected on
-        the complement (:mod:`sklearn_lla._posteriors.complement`; networks without
-        the structured Jacobian backend fall back to ``False``); ``False`` none.
+        the complement (:mod:`sklearn_lla._posteriors.complement`; networks on the
+        generic ``torch.func`` Jacobian backend fall back to ``False``); ``False`` none.
     label : str, default="LLA"
         The method's name in progress bars.
     """

@@ -326,8 +326,8 @@ class SubspacePosterior(GLMPosterior):
         ``"kfac"`` a projected KFAC posterior); with either the low-rank projectors
         are built in the span of the training Jacobians (``row_space`` of
         :func:`lowrank_directions`). ``"auto"``: ``"kfac"`` for the low-rank
-        projectors built on training rows of a network with the structured Jacobian
-        backend (``True`` on others), off for the subset and optimal projectors.
+        projectors built on training rows of a network with the structured or graph
+        Jacobian backend (``True`` on the generic one), off for the subset and optimal projectors.
     """
 
     fitted_attributes = GLMPosterior.fitted_attributes + (

@@ -44,7 +44,7 @@ from ..structured.jacobian import LayerFactor, StructuredJacobian, _to_f64
 from ..structured.trace import share_copy
 from .base import DenseRows, FactoredBackend, Rows, device_budget, flat_directions, gram64
 
-__all__ = ["GraphBackend", "GraphRows"]
+__all__ = ["GraphBackend", "GraphRows", "conv_patches", "layer_blocks"]
 
 _F64 = torch.float64
 
@@ -98,7 +98,30 @@ class _Layer:
         return [n for n in (self.weight_name, self.bias_name) if n is not None]
 
 
-def _layer_blocks(layer: _Layer, mod: nn.Module, a: Tensor, d: Tensor, k: int,
+def conv_patches(mod: nn.Module, a: Tensor) -> Tensor:
+    """The unfolded input patches of a ``Conv1d`` / ``Conv2d``, ``(B, L, in * kernel)``
+    (columns in the order of ``weight.reshape(out, -1)``).
+
+    Parameters
+    ----------
+    mod : nn.Conv1d or nn.Conv2d
+    a : Tensor of shape (B, in, ...)
+        The module's input.
+
+    Returns
+    -------
+    Tensor of shape (B, L, in * prod(kernel_size))
+    """
+    if isinstance(mod, nn.Conv1d):
+        a2 = a.unsqueeze(2)
+        ks, dil, pad, st = ((1, mod.kernel_size[0]), (1, mod.dilation[0]),
+                            (0, _padding(mod)[0]), (1, mod.stride[0]))
+    else:
+        a2, ks, dil, pad, st = a, mod.kernel_size, mod.dilation, _padding(mod), mod.stride
+    return F.unfold(a2, ks, dilation=dil, padding=pad, stride=st).transpose(1, 2)
+
+
+def layer_blocks(layer: _Layer, mod: nn.Module, a: Tensor, d: Tensor, k: int,
                   cache: dict | None = None):
     """``(factor, dense)``: a :class:`LayerFactor` or ``{name: (n_rows, numel)}``.
 
@@ -128,15 +151,7 @@ def _layer_blocks(layer: _Layer, mod: nn.Module, a: Tensor, d: Tensor, k: int,
         if layer.weight_name:
             patches = cache.get("patches")
             if patches is None:
-                if isinstance(mod, nn.Conv1d):
-                    a2 = a.unsqueeze(2)
-                    ks, dil, pad, st = ((1, mod.kernel_size[0]), (1, mod.dilation[0]),
-                                        (0, _padding(mod)[0]), (1, mod.stride[0]))
-                else:
-                    a2, ks, dil, pad, st = (a, mod.kernel_size, mod.dilation, _padding(mod),
-                                            mod.stride)
-                # (B, L, ikk)
-                patches = F.unfold(a2, ks, dilation=dil, padding=pad, stride=st).transpose(1, 2)
+                patches = conv_patches(mod, a)
                 cache["patches"] = patches
             gw = torch.bmm(dv.reshape(B, k * o, -1), patches)
             out[layer.weight_name] = gw.reshape(n_rows, -1)
@@ -523,20 +538,68 @@ class GraphBackend(FactoredBackend):
             parts.append(part)
         return _cat_rows(parts, D, self.lin)
 
-    def _rows(self, x: Tensor, out_idx: Tensor | None, diff: bool) -> GraphRows:
-        lin = self.lin
+    def _record(self, x: Tensor, diff: bool) -> tuple[Tensor, _Recording, nn.Module]:
+        """One recorded forward pass: ``(g, recording, the per-thread module)``."""
         mod = self._module()
         rec = _Recording(len(self.layers), diff)
         self._local.rec = rec
         try:
             with torch.enable_grad():
-                g = lin._finish(mod(x), x.shape[0])
+                g = self.lin._finish(mod(x), x.shape[0])
         finally:
             self._local.rec = None
         for i, layer in enumerate(self.layers):
             if rec.calls[i] != 1:
                 raise _NotPerSample(f"module {layer.kind} at {layer.path!r} was called "
                                     f"{rec.calls[i]} times in one forward pass")
+        return g, rec, mod
+
+    def layer_signals(self, x: Tensor, mix=None) -> tuple[Tensor, list]:
+        """Every layer's input and back-propagated signals, before they are contracted
+        into Jacobian blocks (the per-position factors a KFAC is accumulated from).
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, ...)
+            Inputs (already cast by the network).
+        mix : callable, optional
+            ``mix(g) -> M`` of shape ``(B, K, C)``: point ``b``'s ``K`` cotangents (row
+            ``k`` of ``M[b]``) from the outputs ``g``; default the identity (``K = C``:
+            the signals of every output's row).
+
+        Returns
+        -------
+        g : Tensor of shape (B, C)
+            The outputs.
+        signals : list of (_Layer, nn.Module, Tensor, Tensor) or None
+            Per layer of :attr:`layers`: the module, its input ``a`` ``(B, ...)`` and
+            the signal at its output ``d`` ``(B * K, ...)`` (rows ``b * K + k``);
+            ``None`` for a layer the forward pass did not use (its rows are zero).
+        """
+        g, rec, mod = self._record(x, False)
+        B, C = g.shape
+        with torch.no_grad():
+            M = (torch.eye(C, dtype=g.dtype, device=g.device).expand(B, C, C) if mix is None
+                 else mix(g.detach()).to(g.dtype))
+        K = M.shape[1]
+        used = [i for i in range(len(self.layers)) if rec.eps[i] is not None]
+        with torch.enable_grad():
+            grads = torch.autograd.grad(g, [rec.eps[i] for i in used],
+                                        M.permute(1, 0, 2).contiguous(),
+                                        is_grads_batched=True, allow_unused=True)
+        named = dict(mod.named_modules())
+        out = [None] * len(self.layers)
+        for i, d in zip(used, grads):
+            e = rec.eps[i]
+            d = (e.new_zeros((B * K,) + e.shape[1:]) if d is None else
+                 d.detach().transpose(0, 1).reshape(B * K, *e.shape[1:]))
+            layer = self.layers[i]
+            out[i] = (layer, named[layer.path], rec.acts[i], d)
+        return g.detach(), out
+
+    def _rows(self, x: Tensor, out_idx: Tensor | None, diff: bool) -> GraphRows:
+        lin = self.lin
+        g, rec, mod = self._record(x, diff)
         B, C = g.shape
         used = [i for i in range(len(self.layers)) if rec.eps[i] is not None]
         eps = [rec.eps[i] for i in used]
@@ -555,7 +618,7 @@ class GraphBackend(FactoredBackend):
                 d = grads[j] if grads[j] is not None else eps[j].new_zeros(
                     (B * k,) + eps[j].shape[1:])
                 layer = self.layers[i]
-                f, b = _layer_blocks(layer, named[layer.path], rec.acts[i],
+                f, b = layer_blocks(layer, named[layer.path], rec.acts[i],
                                      d if diff else d.detach(), k, caches[i])
                 if f is not None:
                     factors[i] = f
