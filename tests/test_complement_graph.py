@@ -315,3 +315,54 @@ def test_float32_net_matches_float64(kept, cnn_cases):
         out[dt] = comp.unit_covariance(Xq, phi, TAU).numpy()
     ref = out[torch.float64]
     np.testing.assert_allclose(out[torch.float32], ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+
+
+class SeqNet(torch.nn.Module):
+    """Conv1d + BatchNorm1d + a ``nn.Linear`` applied along a sequence (extra input
+    dimension: a Kronecker block over 8 positions) + a linear head."""
+
+    def __init__(self, n_outputs=3):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(2, 3, 3, padding=1)
+        self.bn = torch.nn.BatchNorm1d(3)
+        self.seq = torch.nn.Linear(3, 4)
+        self.head = torch.nn.Linear(32, n_outputs)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x.reshape(-1, 2, 8))))
+        h = torch.tanh(self.seq(h.transpose(1, 2)))  # (B, 8, 4)
+        return self.head(h.flatten(1))
+
+
+@pytest.mark.parametrize("kept", [0, 4])
+def test_conv1d_and_sequence_linear_equal_dense_kfac(kept):
+    with torch.random.fork_rng():
+        torch.manual_seed(8)
+        net = SeqNet().double().eval()
+        net.bn.running_mean.normal_()
+        net.bn.running_var.uniform_(0.5, 2.0)
+        X = torch.randn(40, 16, dtype=torch.float64)
+        Xq = torch.randn(6, 16, dtype=torch.float64)
+    lin = LinearizedNet(net, "cpu", example_input=X[:2])
+    assert lin.backend == "graph"
+    y = torch.randint(0, 3, (40,), generator=torch.Generator().manual_seed(0))
+    lik = Categorical(3)
+    Q = None
+    if kept:
+        gen = torch.Generator().manual_seed(2)
+        Q = torch.linalg.qr(torch.randn(lin.n_params, kept, generator=gen,
+                                        dtype=torch.float64))[0].T
+    comp = KFACComplement(lin, FitData(lin, lik, X.numpy(), y, batch_size=16), Q)
+    assert [b.weight_name for b in comp.blocks] == ["conv.weight", "seq.weight", "head.weight"]
+    assert comp.diag_names == ["bn.weight", "bn.bias"]
+    MJ = _mixed_jacobian(lin, lik, X.numpy())
+    assert comp.ggn_trace == pytest.approx(float(MJ.pow(2).sum()), rel=1e-10)
+    J = lin.jacobian(Xq).double()
+    S = _dense_sigma(lin, comp, TAU)
+    if Q is not None:
+        Pp = torch.eye(lin.n_params, dtype=torch.float64) - Q.T @ Q
+        S = Pp @ S @ Pp
+    want = torch.einsum("bcp,pq,bdq->bcd", J, S, J)
+    got = comp.unit_covariance(Xq, None if Q is None else J @ Q.T, TAU)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-10,
+                               atol=1e-10 * float(want.abs().max()))
