@@ -366,3 +366,29 @@ def test_conv1d_and_sequence_linear_equal_dense_kfac(kept):
     got = comp.unit_covariance(Xq, None if Q is None else J @ Q.T, TAU)
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-10,
                                atol=1e-10 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_occam_term_on_a_cnn_is_the_complement_block_log_det(task, cnn_cases):
+    """The evidence's complement term (issue 34) on the tiny CNN's Kronecker blocks and
+    BatchNorm diagonal: ``log det((I + c H)_perp)`` against the dense block."""
+    lin, lik, data, _ = _setup(cnn_cases[task], task=task)
+    g = torch.Generator().manual_seed(1)
+    Q, _ = torch.linalg.qr(torch.randn(lin.n_params, 5, dtype=torch.float64, generator=g))
+    comp = KFACComplement(lin, data, Q.T)
+    P = lin.n_params
+    eye = torch.eye(P, dtype=torch.float64)
+    H = torch.linalg.inv(_dense_sigma(lin, comp, 1.0)) - eye
+    basis, _ = torch.linalg.qr(torch.cat([Q, torch.randn(P, P, dtype=torch.float64,
+                                                         generator=g)], 1))
+    perp = basis[:, 5:]
+    s2 = 0.3 if task == "regression" else None
+    for s0 in (0.05, 2.0):
+        c = s0 / (s2 or 1.0)
+        ref = torch.linalg.slogdet(perp.T @ (eye + c * H) @ perp)[1].item()
+        value, d_prior, _ = comp.outside_log_det(s0, s2)
+        assert value == pytest.approx(ref, rel=1e-9)
+        h = 1e-6
+        fd = (comp.outside_log_det(s0 * np.exp(h), s2)[0]
+              - comp.outside_log_det(s0 * np.exp(-h), s2)[0]) / (2 * h)
+        assert d_prior == pytest.approx(fd, rel=1e-6)
