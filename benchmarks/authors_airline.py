@@ -19,7 +19,7 @@ The authors' code (public GitHub repositories of L. A. Ortega, user ``Ludvins``)
 Their data files (``airline.csv``) are Git LFS objects that are not in the public
 snapshots, so their loaders cannot run; the driver feeds their classes our rows instead.
 
-Setup and run (CPU, one thread; about 40-60 min for everything on a loaded 2-core
+Setup and run (CPU, one thread; about an hour for everything on a loaded 2-core
 machine; ``--methods`` runs a subset, results accumulate in ``--out-dir`` and
 ``--report`` prints the table from what is there)::
 
@@ -192,14 +192,13 @@ def predict_theirs(model, X, batch=250):
 
 
 def val_nll(model, val_loader):
-    torch = __import__("torch")
+    """Mean Gaussian NLL (minutes) of ``model.predict`` on the validation loader."""
     tot, n = 0.0, 0
     for X, y in val_loader:
         m, v = model.predict(X)
         tot += float(gaussian_nll_t(m.detach().reshape(-1), v.detach().reshape(-1),
                                     y.reshape(-1)).sum())
         n += len(y)
-    del torch
     return tot / n
 
 
@@ -442,7 +441,6 @@ def add_code_paths(paths):
 
 
 def run_method(P, args, method):
-    torch = P["torch"]
     y = P["test"][1]
     if method in ("raw", "ntk-diag-std"):
         t = time.perf_counter()
@@ -460,7 +458,6 @@ def run_method(P, args, method):
         else:
             model, fit_s, info = run_bayesipy_fmgp(P, args, method.endswith("-es"))
         mean, std = predict_theirs(model, standardise(P, P["test"][0]))
-        del torch
     return [dict(method=method, metrics=metrics(y, mean, std), fit_s=fit_s, info=info)]
 
 
