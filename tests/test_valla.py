@@ -727,3 +727,38 @@ def test_complement_row_products_factored_equal_dense():
     G = M @ J
     np.testing.assert_allclose(mixed_sq_colsum(lin, x, M).numpy(),
                                (G * G).sum((0, 1)).numpy(), rtol=1e-10, atol=1e-14)
+
+
+def test_kfac_complement_against_dense_bounds(reg_data, reg_net, dense_ref):
+    """The KFAC complement's variance at the query points, against dense float64
+    references from the exact GGN: at least the Cauchy-Schwarz lower bound of exact
+    LLA's variance outside the span, ``|r|^4 / r^T (GGN + I / s0^2) r`` with ``r`` the
+    part of the row outside the span of the inducing rows (the floor reads all 60
+    training rows here, so it is that bound); at most the prior's ``s0^2 |r|^2``
+    plus the prior's share; and ``predict_joint`` holds the same blocks."""
+    s0, s2 = 0.3, 0.02
+    X, y = reg_data.X, reg_data.y
+    Xq = np.vstack([reg_data.X_test, 3.0 * reg_data.X_test[:5]])
+    est = VaLLARegressor(reg_net, n_inducing=10, covariance="subspace+kfac",
+                         prior_variance=s0, noise_variance=s2, device="cpu",
+                         random_state=0).fit(X, y)
+    assert est.complement_ == "kfac"
+    post, x = est.posterior_, torch.as_tensor(Xq)
+    full = post.predict(x).cov[:, 0, 0].numpy()
+    comp, post._complement = post._complement, None
+    try:
+        inside = post.predict(x).cov[:, 0, 0].numpy()
+    finally:
+        post._complement = comp
+    outside = full - inside
+    ref = dense_ref.reference(reg_net.module_, X, y, Xq, "regression", s0, s2)
+    Jz = dense_ref.jacobian(reg_net.module_, est.inducing_inputs_)[1][:, 0, :]
+    Jq = ref.J_test[:, 0, :]
+    r = Jq - Jq @ Jz.T @ np.linalg.solve(Jz @ Jz.T, Jz)
+    r2 = (r * r).sum(1)
+    bound = r2 ** 2 / np.einsum("bp,pq,bq->b", r, ref.H, r)
+    # the span is the jittered Nystrom one (relative 1e-6 of Kzz's mean diagonal)
+    assert np.all(outside >= bound * (1 - 1e-4) - 1e-12), (outside / bound).min()
+    assert np.all(outside <= s0 * r2 * (1 + 1e-4) + 1e-12)
+    _, joint = post.predict_joint(x)
+    np.testing.assert_allclose(np.diag(joint.numpy()), full, rtol=1e-9, atol=1e-14)
