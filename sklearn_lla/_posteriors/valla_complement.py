@@ -124,7 +124,9 @@ class ComplementMixin:
         u = c0 - c1 + w  # U + U^T
         tw = torch.diagonal(w, dim1=1, dim2=2).sum(-1)
         tu = torch.diagonal(u, dim1=1, dim2=2).sum(-1)
-        ok = tw > 1e-12 * torch.diagonal(c0, dim1=1, dim2=2).sum(-1).clamp_min(1e-300)
+        # w comes from a second difference of values of order c0: below 1e-8 c0 it is
+        # round-off (and the span's coordinates change the result by < 1e-4): t = 1
+        ok = tw > 1e-8 * torch.diagonal(c0, dim1=1, dim2=2).sum(-1).clamp_min(1e-300)
         t = torch.where(ok, 0.5 * tu / torch.where(ok, tw, 1.0), 1.0)
         S = c0 - t[:, None, None] * u + (t * t)[:, None, None] * w
         S = 0.5 * (S + S.transpose(1, 2))
