@@ -59,6 +59,13 @@ _F64 = torch.float64
 START_ROWS = 2000
 #: Largest ``rows x C x M`` cross-covariance :meth:`VaLLAPosterior.start` holds.
 START_ELEMENTS = 1 << 22
+#: ``complement="auto"``: the KFAC complement while ``P M C`` is at most this. Its
+#: prediction pushes ``M`` tangents through the network per point (the KFAC cross
+#: covariance of each point with the span, three times for the line of
+#: :meth:`~sklearn_lla._posteriors.valla_complement.ComplementMixin._kfac_outside`):
+#: 2,000 rows of a 3 x 200 MLP (P = 98,801, M = 300, P M = 3e7) took 133 s against the
+#: diagonal's 1.1 s (one loaded core).
+KFAC_MAX_WORK = 10_000_000
 #: Relative jitter of ``Kzz`` in the optimal factor of :meth:`VaLLAPosterior.start`.
 START_JITTER = 1e-6
 
@@ -360,7 +367,9 @@ class VaLLAPosterior(ComplementMixin, FixedMeanGPPosterior):
         self._complement = None
         kind = self.complement
         if kind == "auto":
-            kind = "kfac" if supports_kfac_complement(self._lin) else "diagonal"
+            work = self._lin.n_params * self._Z.shape[0] * data.n_outputs
+            kind = ("kfac" if supports_kfac_complement(self._lin) and work <= KFAC_MAX_WORK
+                    else "diagonal")
         if kind == "kfac" and not supports_kfac_complement(self._lin):
             raise ValueError("complement='kfac' needs factored Jacobians (a chain of "
                              "nn.Linear layers and elementwise maps); use 'diagonal'")
