@@ -762,3 +762,23 @@ def test_kfac_complement_against_dense_bounds(reg_data, reg_net, dense_ref):
     assert np.all(outside <= s0 * r2 * (1 + 1e-4) + 1e-12)
     _, joint = post.predict_joint(x)
     np.testing.assert_allclose(np.diag(joint.numpy()), full, rtol=1e-9, atol=1e-14)
+
+
+def test_auto_complement_falls_back_to_diagonal_above_the_work_budget(reg_data, reg_net,
+                                                                      monkeypatch):
+    """``"subspace+complement"`` takes KFAC on a chain net while ``P M C`` is within
+    :data:`~sklearn_lla._posteriors.valla.KFAC_MAX_WORK`, the diagonal complement above
+    it; ``"subspace+kfac"`` takes KFAC whatever the cost."""
+    from sklearn_lla._posteriors import valla as valla_mod
+
+    X, y = reg_data.X, reg_data.y
+
+    def fit(cov):
+        return VaLLARegressor(reg_net, n_inducing=10, covariance=cov, max_iter=5,
+                              device="cpu", random_state=0).fit(X, y).complement_
+
+    assert fit("subspace+complement") == "kfac"
+    monkeypatch.setattr(valla_mod, "KFAC_MAX_WORK", 81 * 10 - 1)  # P = 81, M = 10, C = 1
+    assert fit("subspace+complement") == "diagonal"
+    assert fit("subspace+kfac") == "kfac"
+    assert fit("subspace") is None
