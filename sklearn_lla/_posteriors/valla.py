@@ -263,8 +263,9 @@ class VaLLAPosterior(ComplementMixin, FixedMeanGPPosterior):
         factored Jacobians). ``"diagonal"``: the diagonal posterior of
         :class:`~sklearn_lla._posteriors.complement.DiagonalComplement` (any
         network; too wide once the data pin down directions the span misses, see
-        ``docs/valla.md``). ``"auto"``: ``"kfac"`` where the network supports it,
-        else ``"diagonal"``. The choice is in :attr:`complement_kind`.
+        ``docs/valla.md``). ``"auto"``: ``"kfac"`` where the network supports it
+        and ``P M C`` is at most :data:`KFAC_MAX_WORK`, else ``"diagonal"``. The
+        choice is in :attr:`complement_kind`.
     **kwargs
         The :class:`~sklearn_lla._posteriors.gp.FixedMeanGPPosterior` settings.
     """
