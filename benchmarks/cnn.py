@@ -22,12 +22,13 @@ backends.
 Usage::
 
     OMP_NUM_THREADS=2 python benchmarks/cnn.py [--situation b|c] [--residual]
-        [--generic] [--only NAME,NAME] [--threads 2]
+        [--generic] [--only NAME,NAME] [--threads 2] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import sys
 import time
@@ -143,9 +144,9 @@ def laplace_torch(net, p):
     return time.perf_counter() - t, predict
 
 
-def estimator(entry, seed=0):
+def estimator(entry, seed=0, overrides=None):
     def run(net, p):
-        est = entry.cls(net, **entry.params, random_state=seed)
+        est = entry.cls(net, **{**entry.params, **(overrides or {})}, random_state=seed)
         t = time.perf_counter()
         if p["Xva"] is not None:
             est.fit(p["Xtr"], p["ytr"], validation_data=(p["Xva"], p["yva"]))
@@ -166,7 +167,17 @@ def main(argv=None):
                     help="switch the graph Jacobian backend off (torch.func products)")
     ap.add_argument("--only", default="", help="comma-separated method names to run")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a parameter for the estimators run (e.g. covariance=subspace, "
+                         "prior_variance=0.001); repeatable")
     args = ap.parse_args(argv)
+    overrides = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        try:
+            overrides[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            overrides[key] = value
     set_threads(args.threads)
     warnings.filterwarnings("ignore")
     import torch
@@ -182,7 +193,7 @@ def main(argv=None):
     net = train(make_net(args.residual), p["Xtr"], p["ytr"])
     P = sum(q.numel() for q in net.parameters())
     methods = [("raw softmax", raw_softmax), ("laplace-torch LL-KFAC+marglik", laplace_torch)]
-    methods += [(e.id, estimator(e)) for e in ESTIMATORS
+    methods += [(e.id, estimator(e, overrides=overrides)) for e in ESTIMATORS
                 if e.is_classifier and "likelihood" not in e.params]
     only = [s for s in args.only.split(",") if s]
     if only:

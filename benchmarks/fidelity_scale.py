@@ -149,6 +149,10 @@ def methods():
         ("SubspaceLaplaceRegressor(residual_correction=False) [before]",
          fixed(SubspaceLaplaceRegressor, residual_correction=False)),
         ("VaLLARegressor", fixed(VaLLARegressor)),
+        ("VaLLARegressor(covariance='subspace+kfac')",
+         fixed(VaLLARegressor, covariance="subspace+kfac")),
+        ("VaLLARegressor(covariance='subspace+diagonal')",
+         fixed(VaLLARegressor, covariance="subspace+diagonal")),
         ("SampledLLARegressor", fixed(SampledLLARegressor)),
     ]
 

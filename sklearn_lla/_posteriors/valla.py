@@ -37,7 +37,7 @@ import torch
 
 from .._core.hyper import OBJECTIVE, Fixed, VariationalEnergy
 from .._core.linalg import cholesky
-from .complement import DiagonalComplement, row_subset
+from .complement import KFACComplement, supports_kfac_complement
 from .gp import FixedMeanGPPosterior, Kernel
 from .gp_algebra import (
     FIT_THREADS,
@@ -49,6 +49,7 @@ from .gp_algebra import (
     torch_threads,
     variational_terms,
 )
+from .valla_complement import ComplementMixin
 
 __all__ = ["NTKKernel", "VaLLAPosterior"]
 
@@ -58,6 +59,13 @@ _F64 = torch.float64
 START_ROWS = 2000
 #: Largest ``rows x C x M`` cross-covariance :meth:`VaLLAPosterior.start` holds.
 START_ELEMENTS = 1 << 22
+#: ``complement="auto"``: the KFAC complement while ``P M C`` is at most this. Its
+#: prediction pushes ``M`` tangents through the network per point (the KFAC cross
+#: covariance of each point with the span, three times for the line of
+#: :meth:`~sklearn_lla._posteriors.valla_complement.ComplementMixin._kfac_outside`):
+#: 2,000 rows of a 3 x 200 MLP (P = 98,801, M = 300, P M = 3e7) took 133 s against the
+#: diagonal's 1.1 s (one loaded core).
+KFAC_MAX_WORK = 10_000_000
 #: Relative jitter of ``Kzz`` in the optimal factor of :meth:`VaLLAPosterior.start`.
 START_JITTER = 1e-6
 
@@ -226,7 +234,7 @@ class NTKKernel(Kernel):
         return predict
 
 
-class VaLLAPosterior(FixedMeanGPPosterior):
+class VaLLAPosterior(ComplementMixin, FixedMeanGPPosterior):
     """VaLLA: the fixed-mean sparse GP of :mod:`sklearn_lla._posteriors.gp` with the scaled NTK.
 
     The KL term is the complete ``KL(q(theta) || p(theta))`` of the weight-space
@@ -246,11 +254,18 @@ class VaLLAPosterior(FixedMeanGPPosterior):
         Where Adam starts: ``"optimal"`` (:meth:`start`), or the papers' ``L = I``
         with ``s0^2 = ||theta_hat||^2 / P`` and ``s2`` the network's mean squared
         training residual.
-    complement : {None, "diagonal"}, default=None
-        With ``covariance="subspace"``: ``"diagonal"`` adds the diagonal posterior of
-        the parameter directions outside the inducing pairs' span
-        (:class:`~sklearn_lla._posteriors.complement.DiagonalComplement`, estimated
-        once after the fit at the fitted ``s0^2`` and likelihood) to the predictive.
+    complement : {None, "diagonal", "kfac", "auto"}, default=None
+        With ``covariance="subspace"``, a posterior for the parameter directions
+        outside the inducing pairs' span, added to the predictive (estimated once
+        after the fit, at the fitted ``s0^2`` and likelihood). ``"kfac"``: the
+        KFAC posterior projected onto the complement
+        (:class:`~sklearn_lla._posteriors.complement.KFACComplement`, as ELLA's; needs
+        factored Jacobians). ``"diagonal"``: the diagonal posterior of
+        :class:`~sklearn_lla._posteriors.complement.DiagonalComplement` (any
+        network; too wide once the data pin down directions the span misses, see
+        ``docs/valla.md``). ``"auto"``: ``"kfac"`` where the network supports it
+        and ``P M C`` is at most :data:`KFAC_MAX_WORK`, else ``"diagonal"``. The
+        choice is in :attr:`complement_kind`.
     **kwargs
         The :class:`~sklearn_lla._posteriors.gp.FixedMeanGPPosterior` settings.
     """
@@ -261,12 +276,14 @@ class VaLLAPosterior(FixedMeanGPPosterior):
         if init not in ("optimal", "identity"):
             raise ValueError(f"init must be 'optimal' or 'identity', got {init!r}")
         self.init = init
-        if complement not in (None, "diagonal"):
-            raise ValueError(f"complement must be None or 'diagonal', got {complement!r}")
+        if complement not in (None, "diagonal", "kfac", "auto"):
+            raise ValueError("complement must be None, 'diagonal', 'kfac' or 'auto', got "
+                             f"{complement!r}")
         if complement is not None and self.covariance != "subspace":
-            raise ValueError("complement='diagonal' needs covariance='subspace' (the "
+            raise ValueError(f"complement={complement!r} needs covariance='subspace' (the "
                              "'full' covariance keeps the prior in the complement)")
         self.complement = complement
+        self.complement_kind = None
 
     def make_kernel(self, data, Z, cz):
         """The NTK kernel of ``data.lin``, with its initial prior variance."""
@@ -349,34 +366,26 @@ class VaLLAPosterior(FixedMeanGPPosterior):
             self.__dict__.pop(name, None)
         self.kernel.__dict__.pop("_z_cache", None)
         self._complement = None
-        if self.complement == "diagonal":
+        kind = self.complement
+        if kind == "auto":
+            work = self._lin.n_params * self._Z.shape[0] * data.n_outputs
+            kind = ("kfac" if supports_kfac_complement(self._lin) and work <= KFAC_MAX_WORK
+                    else "diagonal")
+        if kind == "kfac" and not supports_kfac_complement(self._lin):
+            raise ValueError("complement='kfac' needs factored Jacobians (a chain of "
+                             "nn.Linear layers and elementwise maps); use 'diagonal'")
+        self.complement_kind = kind
+        if kind == "diagonal":
             with torch_threads(FIT_THREADS):
                 self._complement = self._fit_complement(data)
             self.hyper_trace["complement"] = self._complement.trace()
+        elif kind == "kfac":
+            with torch_threads(FIT_THREADS):
+                self._complement = self._fit_kfac_complement(data)
+            self.hyper_trace["complement"] = {
+                "kind": "kfac", "outside_fraction": self._complement.outside_fraction,
+                "scale": self._complement.scale}
         return self
-
-    def _fit_complement(self, data):
-        """The complement's diagonal posterior (``complement="diagonal"``).
-
-        Its curvature is read on up to :data:`~sklearn_lla._posteriors.complement.MAX_ROWS`
-        training rows, each row's outside fraction ``rho = (Kxx - Qxx) / Kxx`` from the
-        subspace model's own Nystrom prior, at the fitted ``s0^2`` and likelihood.
-        """
-        lin, kernel, Z, cz = self._lin, self.kernel, self._Z, self._cz
-        comp = DiagonalComplement(self.prior_variance, lin.n_params, device=Z.device)
-        idx = row_subset(data.n_samples, self.random_state + 3)
-        with torch.no_grad():
-            chol = cholesky(subspace_gram(kernel.gram(Z, cz)), "inducing kernel matrix",
-                            warn=False)
-            for i in range(0, len(idx), 256):
-                x, _ = data.rows(idx[i:i + 256])
-                Kxz, Kxx = kernel.cross_and_diag(x, Z, cz)
-                tot = torch.diagonal(Kxx, dim1=1, dim2=2)
-                res = tot - torch.diagonal(nystrom_blocks(Kxz, chol), dim1=1, dim2=2)
-                rho = torch.where(tot > 0, res / torch.where(tot > 0, tot, 1.0), 0.0)
-                lam = self.likelihood.lam_factor(self._mean(lin, x))
-                comp.add_rows(lin, x, rho, lam)
-        return comp.finish(len(idx), data.n_samples)
 
     def _prior_and_v(self, x):
         """The engine's ``(prior blocks, Kxz W^T)``; with the complement, the prior is
@@ -388,6 +397,12 @@ class VaLLAPosterior(FixedMeanGPPosterior):
         V, m = V.double(), self._n_w
         U = V[..., m:]
         Q = U @ U.transpose(-1, -2)
+        if isinstance(comp, KFACComplement):
+            s0 = self.kernel.prior_variance
+            S, _ = self._kfac_outside(comp, x, U / math.sqrt(s0))
+            R = torch.diagonal(Kxx.double() - Q, dim1=1, dim2=2) / s0
+            top = (self._complement_floor(x, U, R) - torch.diagonal(S, dim1=1, dim2=2))
+            return Q + S + torch.diag_embed(top.clamp_min(0.0)), V[..., :m]
         residual = (Kxx.double() - Q) / self.kernel.prior_variance
         residual = 0.5 * (residual + residual.transpose(-1, -2))
         return Q + comp.blocks(comp.inverse_precision(self._lin, x), residual), V[..., :m]
@@ -612,7 +627,17 @@ class VaLLAPosterior(FixedMeanGPPosterior):
                 U, V = V[:, m:], V[:, :m]
                 K = U @ U.T
             comp = self.__dict__.get("_complement")
-            if comp is not None:
+            if isinstance(comp, KFACComplement):
+                s0 = self.kernel.prior_variance
+                phi = U.reshape(x.shape[0], -1, U.shape[-1]) / math.sqrt(s0)
+                _, t = self._kfac_outside(comp, x, phi)
+                S = comp.joint_covariance(x, t[:, None, None] * phi, s0,
+                                          self._noise_or_none())
+                R = torch.diagonal(self.kernel.joint(x) - K) / s0
+                floor = self._complement_floor(x, phi * math.sqrt(s0),
+                                               R.reshape(x.shape[0], -1)).reshape(-1)
+                K = K + S + torch.diag((floor - torch.diagonal(S)).clamp_min(0.0))
+            elif comp is not None:
                 R = (self.kernel.joint(x) - K) / self.kernel.prior_variance
                 K = K + comp.joint(comp.inverse_precision(self._lin, x), 0.5 * (R + R.T))
         return mean, joint_cov(K, V)
