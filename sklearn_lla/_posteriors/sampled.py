@@ -69,13 +69,14 @@ import torch
 from sklearn.exceptions import ConvergenceWarning
 
 from .._core.hyper import EM, HyperContext, HyperResult, ValidationGrid, resolve, strategy
+from .._core.krylov import NystromPreconditioner, block_cg, nystrom_preconditioner
 from .._core.likelihoods import mc_seed, uses_mc_link
 from .._core.optim import Patience, minibatches, minimize
 from .._core.protocol import LatentPredictive, Posterior, validation_residuals
 from .._network.linearized import stack_flat
 
 __all__ = ["SampledLLAPosterior", "PRIOR_GRID", "NOISE_GRID", "G_PRIOR_FLOOR", "CG_MAX_BATCHES",
-           "AUTO_ITERATIONS", "EM_START_SAMPLES", "EM_GAMMA_RSE"]
+           "AUTO_ITERATIONS", "EM_START_SAMPLES", "EM_GAMMA_RSE", "AUTO_PRECONDITIONER_RANK"]
 
 _F64 = torch.float64
 
@@ -90,6 +91,11 @@ _CHECK_FREQ = 50
 #: (``docs/sampled.md``): the cap only bounds a pathological run. Adam runs all of
 #: its steps.
 AUTO_ITERATIONS = {"cg": 1000, "adam": 300}
+
+#: ``preconditioner_rank="auto"``: the Nystrom sketch's rank in units of the number
+#: of columns ``K + 1`` solved (the sketch costs this many conjugate-gradient
+#: iterations; measured in ``docs/sampled.md``).
+AUTO_PRECONDITIONER_RANK = 2
 
 #: Largest number of batches in a full data pass for which ``solver="auto"`` uses
 #: conjugate gradients (one pass per iteration) rather than minibatch Adam.
@@ -141,6 +147,10 @@ class _EStepState:
         The mode's offset ``theta_bar - theta_hat``.
     sigma : Tensor (P,)
         The prior std ``s0 s`` of the current samples.
+    precond : NystromPreconditioner or None
+        Conjugate gradients' sketch of ``sigma G sigma``, made once per fit.
+    precond_ref : tuple or None
+        ``(sigma, 1 / s2)`` (``1`` for classification) the sketch was made at.
     """
 
     theta_hat: torch.Tensor
@@ -151,6 +161,8 @@ class _EStepState:
     Z: torch.Tensor | None = None
     delta: torch.Tensor | None = None
     sigma: torch.Tensor | None = None
+    precond: NystromPreconditioner | None = None
+    precond_ref: tuple | None = None
 
 
 class _HandGradient(torch.autograd.Function):
@@ -302,6 +314,13 @@ class SampledLLAPosterior(Posterior):
         (deterministic, stops at a relative residual ``tol``); ``"adam"``, minibatch
         Adam for ``max_iter`` steps; ``"auto"``: ``"cg"`` when a data pass is at most
         :data:`CG_MAX_BATCHES` batches, else ``"adam"``.
+    preconditioner : {"nystrom", None}, default="nystrom"
+        Conjugate gradients' preconditioner: a randomized Nystrom approximation of
+        the whitened GGN ``sigma G sigma`` (:mod:`sklearn_lla._core.krylov`), one sketch
+        per fit; ``None``: plain conjugate gradients.
+    preconditioner_rank : int or "auto", default="auto"
+        The sketch's rank; ``"auto"``: :data:`AUTO_PRECONDITIONER_RANK` ``x (K + 1)``
+        (at most ``N C`` and ``P``).
     validation_grid : ValidationGrid or None, default=None
         The prior factors (scanned in increasing order) and noise factors of
         ``hyper="validation"``; ``None``: :data:`PRIOR_GRID` and :data:`NOISE_GRID`.
@@ -315,8 +334,8 @@ class SampledLLAPosterior(Posterior):
     def __init__(self, prior_variance="auto", noise_variance=None, *, hyper="auto",
                  n_posterior_samples=64, n_em_steps=3, n_em_samples="auto", max_iter="auto",
                  learning_rate=0.1, lr_schedule="auto", early_stopping=False, tol=1e-4,
-                 n_iter_no_change=3, g_prior=False, solver="auto", validation_grid=None,
-                 name="SampledLLA"):
+                 n_iter_no_change=3, g_prior=False, solver="auto", preconditioner="nystrom",
+                 preconditioner_rank="auto", validation_grid=None, name="SampledLLA"):
         self.prior_variance = prior_variance
         self.noise_variance = noise_variance
         self.hyper = hyper
@@ -331,6 +350,9 @@ class SampledLLAPosterior(Posterior):
         self.n_iter_no_change = int(n_iter_no_change)
         self.g_prior = bool(g_prior)
         self.solver = solver
+        self.preconditioner = None if preconditioner in (None, "none") else preconditioner
+        self.preconditioner_rank = (preconditioner_rank if preconditioner_rank == "auto"
+                                    else int(preconditioner_rank))
         self.validation_grid = validation_grid or ValidationGrid(PRIOR_GRID, NOISE_GRID)
         self.name = str(name)
 
@@ -458,6 +480,34 @@ class SampledLLAPosterior(Posterior):
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         return cut
 
+    def _preconditioner(self, st, data, lik, sigma):
+        """The Nystrom preconditioner of ``I + sigma G sigma``, or ``None`` when off.
+
+        One sketch per fit (a data pass with ``r`` tangents, its own random stream so
+        that the perturbations and minibatches do not change), made at the first
+        conjugate-gradient E-step and rescaled afterwards: a new prior variance or
+        noise variance multiplies ``sigma G sigma`` by a scalar.
+        """
+        if self.preconditioner is None:
+            return None
+        curv = 1.0 / float(lik.noise_variance) if self._regression else 1.0
+        if st.precond is None:
+            rank = self.preconditioner_rank
+            if rank == "auto":
+                rank = AUTO_PRECONDITIONER_RANK * (self.n_posterior_samples + 1)
+            rank = min(int(rank), data.n_samples * data.n_outputs, st.theta_hat.numel())
+
+            def matvec(V):
+                (D,) = data.reduce(_ggn_product_sums, (data.lin, lik, V * sigma))
+                return sigma * D
+
+            gen = torch.Generator().manual_seed(int(data.generator.initial_seed()) ^ 0x5EED)
+            st.precond = nystrom_preconditioner(matvec, st.theta_hat.numel(), rank, gen,
+                                                data.device)
+            st.precond_ref = (sigma.clone(), curv)
+        sigma_ref, curv_ref = st.precond_ref
+        return st.precond.rescaled(float((sigma / sigma_ref).pow(2).mean()) * curv / curv_ref)
+
     def _cg_e_step(self, st, data, lik, sigma, desc, max_iter, X, B):
         """Conjugate gradients on ``(I + sigma G sigma) u = b``, all columns.
 
@@ -478,32 +528,19 @@ class SampledLLAPosterior(Posterior):
             (D,) = data.reduce(_ggn_product_sums, (data.lin, lik, V * sigma))
             return V + sigma * D
 
-        # No preconditioner: a Jacobi one (diag(G) estimated from the perturbations)
-        # needed more iterations and made the iterates far more sensitive to rounding
-        # (docs/sampled.md).
-        tiny = torch.finfo(_F64).tiny
-        bnorm = B.norm(dim=1).clamp_min(tiny)
-        R = B - op(X)
-        D = R.clone()
-        rz = (R * R).sum(1)
+        precond = self._preconditioner(st, data, lik, sigma)
         bar = data.progress(max_iter, f"{self.name}: {desc}")
-        it, rel = 0, float((R.norm(dim=1) / bnorm).max())
+
+        def progress(it, rel):
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(residual=f"{rel:.2g}")
+
         try:
-            while rel > self.tol and it < max_iter:
-                MD = op(D)
-                alpha = rz / (D * MD).sum(1).clamp_min(tiny)
-                X += alpha[:, None] * D
-                R -= alpha[:, None] * MD
-                rz_new = (R * R).sum(1)
-                D = R + (rz_new / rz.clamp_min(tiny))[:, None] * D
-                rz, it = rz_new, it + 1
-                rel = float((R.norm(dim=1) / bnorm).max())
-                if not math.isfinite(rel):
-                    raise FloatingPointError(f"{self.name}: {desc}: conjugate gradients "
-                                             f"diverged at iteration {it}")
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(residual=f"{rel:.2g}")
+            X, it, rel = block_cg(op, B, X, self.tol, max_iter,
+                                  None if precond is None else precond.apply, progress)
+        except FloatingPointError as exc:
+            raise FloatingPointError(f"{self.name}: {desc}: {exc}") from None
         finally:
             if bar is not None:
                 bar.close()
@@ -515,8 +552,11 @@ class SampledLLAPosterior(Posterior):
             st.delta = sigma * X[0] - st.theta_hat
             X = X[1:]
         self.n_iter.append(it)
-        return {"solver": "cg", "n_iter": it, "relative_residual": rel,
-                "converged": rel <= self.tol}, X
+        out = {"solver": "cg", "n_iter": it, "relative_residual": rel,
+               "converged": rel <= self.tol}
+        if precond is not None:
+            out["preconditioner_rank"] = precond.rank
+        return out, X
 
     def _adam_e_step(self, st, data, lik, sigma, desc, max_iter, U, U_n):
         """Minibatch Adam on the same objective (:func:`sklearn_lla._core.optim.minimize`)
