@@ -43,12 +43,14 @@ def test_preconditioned_cg_solves_with_fewer_iterations():
         return V @ M
 
     X0 = torch.zeros_like(B)
-    plain, it_plain, rel_plain = block_cg(op, B, X0.clone(), 1e-10, 1000)
+    plain, it_plain, rel_plain, R = block_cg(op, B, X0.clone(), 1e-10, 1000)
     # rank 20 < rank(A): an approximate sketch, the solution is still the system's
     pre = nystrom_preconditioner(lambda V: V @ A, n, 20, torch.Generator().manual_seed(2))
-    pcg, it_pcg, rel_pcg = block_cg(op, B, X0.clone(), 1e-10, 1000, pre.apply)
+    pcg, it_pcg, rel_pcg, _ = block_cg(op, B, X0.clone(), 1e-10, 1000, pre.apply)
     print(f"\n[krylov] iterations plain {it_plain}, Nystrom rank 20 {it_pcg}")
     for X, rel in ((plain, rel_plain), (pcg, rel_pcg)):
         assert rel <= 1e-10
         assert torch.linalg.norm(X - exact) / torch.linalg.norm(exact) < 1e-8
     assert it_pcg < it_plain / 2
+    # the recurrence's residual is the true one (what the E-step's gamma relies on)
+    assert torch.linalg.norm(R - (B - op(plain))) <= 1e-12 * torch.linalg.norm(B)

@@ -573,6 +573,11 @@ def test_nystrom_preconditioned_cg(reg_data, reg_net, exact_reg):
     err = float(np.mean(np.abs(cov[:, 0, 0] / cov_e[:, 0, 0] - 1)))
     print(f"[pcg] mean relative variance error to exact LLA: {err:.3f}")
     assert err < 0.25
+    # gamma from the solve's residual (no data pass) is the quadratic form of a pass
+    _, jz = b.lin.jvp(torch.as_tensor(reg_data.X), b.samples)
+    gamma = float((jz.to(torch.float64) ** 2).sum((0, 1)).mean()) / S2
+    print(f"[pcg] gamma from the residual {pcg.effective_dim_:.6f}, from a pass {gamma:.6f}")
+    np.testing.assert_allclose(pcg.effective_dim_, gamma, rtol=1e-6)
     # the sketch is made once per fit and rescaled: EM with it keeps the plain EM's
     # hyperparameters (same draws, solves to the tolerance)
     em = dict(n_posterior_samples=16, random_state=0, device="cpu", solver="cg", tol=1e-8)

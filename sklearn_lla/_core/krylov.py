@@ -147,6 +147,8 @@ def block_cg(op, B: torch.Tensor, X: torch.Tensor, tol: float, max_iter: int,
         Iterations run.
     rel : float
         The largest relative residual at the end.
+    R : Tensor of shape (k, n)
+        The residuals ``b - M x`` (as updated by the recurrence).
 
     Raises
     ------
@@ -174,4 +176,4 @@ def block_cg(op, B: torch.Tensor, X: torch.Tensor, tol: float, max_iter: int,
             raise FloatingPointError(f"conjugate gradients diverged at iteration {it}")
         if callback is not None:
             callback(it, rel)
-    return X, it, rel
+    return X, it, rel, R

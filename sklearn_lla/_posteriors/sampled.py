@@ -70,10 +70,17 @@ from sklearn.exceptions import ConvergenceWarning
 
 from .._core.hyper import EM, HyperContext, HyperResult, ValidationGrid, resolve, strategy
 from .._core.krylov import NystromPreconditioner, block_cg, nystrom_preconditioner
-from .._core.likelihoods import mc_seed, uses_mc_link
+from .._core.likelihoods import mc_seed
 from .._core.optim import Patience, minibatches, minimize
 from .._core.protocol import LatentPredictive, Posterior, validation_residuals
 from .._network.linearized import stack_flat
+from ._sampled_passes import (
+    _ggn_diag_sums,
+    _ggn_product_sums,
+    _sample_cov,
+    _statistics_sums,
+    _validation_nll_sums,
+)
 
 __all__ = ["SampledLLAPosterior", "PRIOR_GRID", "NOISE_GRID", "G_PRIOR_FLOOR", "CG_MAX_BATCHES",
            "AUTO_ITERATIONS", "EM_START_SAMPLES", "EM_GAMMA_RSE", "AUTO_PRECONDITIONER_RANK"]
@@ -151,6 +158,9 @@ class _EStepState:
         Conjugate gradients' sketch of ``sigma G sigma``, made once per fit.
     precond_ref : tuple or None
         ``(sigma, 1 / s2)`` (``1`` for classification) the sketch was made at.
+    q_solved : Tensor (k,) or None
+        ``z_k^T G z_k`` of the samples the last conjugate-gradient E-step solved, from
+        its residual (``None`` after an Adam E-step).
     """
 
     theta_hat: torch.Tensor
@@ -163,6 +173,7 @@ class _EStepState:
     sigma: torch.Tensor | None = None
     precond: NystromPreconditioner | None = None
     precond_ref: tuple | None = None
+    q_solved: torch.Tensor | None = None
 
 
 class _HandGradient(torch.autograd.Function):
@@ -182,83 +193,6 @@ class _HandGradient(torch.autograd.Function):
     def backward(ctx, grad_out):
         (grad,) = ctx.saved_tensors
         return grad_out * grad, None, None
-
-
-def _sample_cov(jz: torch.Tensor) -> torch.Tensor:
-    """``(1/K) sum_k (J z_k)(J z_k)^T`` per point from ``jz`` of shape (B, C, K)."""
-    return torch.einsum("bck,bdk->bcd", jz, jz) / jz.shape[-1]
-
-
-def _ggn_diag_sums(payload, batches):
-    """``(diag(sum_n J_n^T Lam_n J_n),)`` over ``batches`` from Jacobian rows (float64)."""
-    lin, lik, n_outputs = payload
-    d = torch.zeros(lin.n_params, dtype=_F64, device=lin.device)
-    for x, _ in batches:
-        for sl, J in lin.jacobian_chunks(x, n_outputs):
-            A = lik.lam_factor(lin.forward(x[sl]).to(_F64))
-            d += torch.einsum("bcd,bcp->bdp", A, J.to(_F64)).pow(2).sum((0, 1))
-    return (d,)
-
-
-def _ggn_product_sums(payload, batches):
-    """``(sum_n J_n^T Lam_n J_n t_m for every tangent t_m,)`` over ``batches``.
-
-    ``payload = (lin, lik, T)``, ``T`` of shape (M, P); returns a float64 (M, P)
-    tensor. The matrix-vector product of the E-step's conjugate gradients: one JVP
-    with ``M`` tangents and one VJP with ``M`` cotangents per batch.
-    """
-    lin, lik, T = payload
-    out = torch.zeros(T.shape, dtype=_F64, device=T.device)
-    for x, _ in batches:
-        g, jt = lin.jvp(x, T)
-        A = lik.lam_factor(g.to(_F64))
-        ajt = torch.einsum("bcd,bck->bdk", A, jt.to(_F64))
-        cot = torch.einsum("bcd,bdk->kbc", A, ajt)
-        out += stack_flat(lin.vjp(x, cot), lin.names).to(_F64)
-    return (out,)
-
-
-def _statistics_sums(payload, batches):
-    """``(q, rss)`` over ``batches``: ``q_k = sum_n |A_n^T J_n z_k|^2`` for every sample
-    (their mean is the effective dimension ``gamma``) and the residual sum of squares of
-    the linear model's mode (regression)."""
-    lin, lik, delta, Z, regression = payload
-    T = torch.cat([delta[None], Z])
-    q = torch.zeros(Z.shape[0], dtype=_F64, device=Z.device)
-    rss = 0.0
-    for x, y in batches:
-        g, jt = lin.jvp(x, T)
-        g, jt = g.to(_F64), jt.to(_F64)
-        A = lik.lam_factor(g)
-        q += torch.einsum("bcd,bck->bdk", A, jt[..., 1:]).pow(2).sum((0, 1))
-        if regression:
-            rss += float((y - g - jt[..., 0]).pow(2).sum())
-    return q, rss
-
-
-def _validation_nll_sums(payload, batches):
-    """Row sums of the validation NLL of the samples, for each rescaling factor ``c``.
-
-    Regression: the samples for ``(c s0^2, c s2)`` are ``sqrt(c)`` times those for
-    ``(s0^2, s2)`` (same draws), so the predictive is ``N(g, c (cov + s2))`` exactly;
-    classification has ``factors = [1]``. Returns ``(sums (len(factors),), rows)``.
-    """
-    lin, Z, lik, regression, factors, s2_ref, seed = payload
-    mc = uses_mc_link(lik)
-    gen = torch.Generator().manual_seed(seed) if mc else None
-    out = torch.zeros(len(factors), dtype=_F64)
-    n = 0
-    for x, y in batches:
-        g, jz = lin.jvp(x, Z)
-        g, cov = g.to(_F64), _sample_cov(jz.to(_F64))
-        eps = None
-        if mc:
-            eps = torch.randn((lik.n_samples, *g.shape), dtype=_F64, generator=gen).to(g.device)
-        for j, c in enumerate(factors):
-            lk = lik.with_noise(c * s2_ref) if regression else lik
-            out[j] -= float(lk.log_predictive(g, c * cov, y, eps=eps).sum())
-        n += g.shape[0]
-    return out, n
 
 
 class SampledLLAPosterior(Posterior):
@@ -393,6 +327,20 @@ class SampledLLAPosterior(Posterior):
         function-space estimator) and the linear model's RSS."""
         q, rss = data.reduce(_statistics_sums, (data.lin, lik, delta, Z, self._regression))
         return q, float(rss)
+
+    def _sample_statistics(self, st, data, lik, k, rss=True):
+        """``(q, rss)`` of the first ``k`` samples and the mode after an E-step.
+
+        After conjugate gradients ``q`` comes from the solve itself
+        (:attr:`_EStepState.q_solved`) and only the RSS needs a pass (one tangent, and
+        none without ``rss`` or for classification); after Adam, one pass with
+        ``k + 1`` tangents (:meth:`_statistics`).
+        """
+        if st.q_solved is not None and st.q_solved.shape[0] == k:
+            if rss and self._regression:
+                return st.q_solved, self._statistics(data, lik, st.delta, st.Z[:0])[1]
+            return st.q_solved, 0.0
+        return self._statistics(data, lik, st.delta, st.Z[:k])
 
     def _validation_noise(self, data):
         """Mean squared residual of the network on the validation rows."""
@@ -537,8 +485,8 @@ class SampledLLAPosterior(Posterior):
                 bar.set_postfix(residual=f"{rel:.2g}")
 
         try:
-            X, it, rel = block_cg(op, B, X, self.tol, max_iter,
-                                  None if precond is None else precond.apply, progress)
+            X, it, rel, R = block_cg(op, B, X, self.tol, max_iter,
+                                     None if precond is None else precond.apply, progress)
         except FloatingPointError as exc:
             raise FloatingPointError(f"{self.name}: {desc}: {exc}") from None
         finally:
@@ -550,7 +498,9 @@ class SampledLLAPosterior(Posterior):
                           "increase max_iter", ConvergenceWarning, stacklevel=4)
         if st.with_mode:
             st.delta = sigma * X[0] - st.theta_hat
-            X = X[1:]
+            X, B, R = X[1:], B[1:], R[1:]
+        # (I + sigma G sigma) u = b - r: z^T G z = u^T (b - r) - u^T u, no data pass
+        st.q_solved = (X * (B - R)).sum(1) - (X * X).sum(1)
         self.n_iter.append(it)
         out = {"solver": "cg", "n_iter": it, "relative_residual": rel,
                "converged": rel <= self.tol}
@@ -605,6 +555,7 @@ class SampledLLAPosterior(Posterior):
                        tol=self.tol, verbose=data.verbose, desc=f"{self.name}: {desc}",
                        lr_schedule=self._schedule())
         V = V.detach()
+        st.q_solved = None
         if m:
             st.delta = (V[0] * sigma).clone()
         self.n_iter.append(res.n_iter)
@@ -718,7 +669,7 @@ class SampledLLAPosterior(Posterior):
         res = self._e_step(st, data, lik, math.sqrt(s0) * scale, "posterior samples")
         if strat.uses_held_out and fit_prior and fit_noise:
             s0, s2, lik = self._refit_scale(st, data, lik, s0, s2, trace)
-        gamma = float(self._statistics(data, lik, st.delta, st.Z)[0].mean())
+        gamma = float(self._sample_statistics(st, data, lik, K, rss=False)[0].mean())
         trace["optimisation"] = res
         trace["solver"] = self._solver(data)
         if trace["solver"] == "adam":
@@ -782,7 +733,7 @@ class SampledLLAPosterior(Posterior):
             cut = self._partial_e_step(st, data, state["lik"],
                                        math.sqrt(prior_variance) * scale,
                                        f"EM step {it}/{self.n_em_steps}", k=k)
-            q, rss = self._statistics(data, state["lik"], st.delta, st.Z[:k])
+            q, rss = self._sample_statistics(st, data, state["lik"], k)
             gamma = float(q.mean())
             state["k"] = self._next_em_samples(k, q)
             w_sq = float(((st.theta_hat + st.delta) / scale).pow(2).sum())
