@@ -133,7 +133,7 @@ class SampledLLARegressor(_SampledMixin, LaplaceRegressorMixin):
     solver : {"auto", "cg", "adam"}, default="auto"
         How each E-step is solved. ``"cg"``: conjugate gradients, one full data pass
         per iteration, to the relative residual ``tol``. ``"adam"``: ``max_iter``
-        minibatch Adam steps. ``"auto"``: ``"cg"`` when a data pass is at most 8
+        minibatch Adam steps. ``"auto"``: ``"cg"`` when a data pass is at most 32
         batches of ``batch_size`` rows, ``"adam"`` beyond (the same for numpy and dask
         inputs).
     preconditioner : {"nystrom"} or None, default="nystrom"
@@ -296,7 +296,7 @@ class SampledLLAClassifier(_SampledMixin, LaplaceClassifierMixin):
         Per-parameter prior scales ``1 / sqrt(diag GGN)`` (normalised, clipped).
     solver : {"auto", "cg", "adam"}, default="auto"
         How each E-step is solved: conjugate gradients (full data passes), minibatch
-        Adam, or ``"auto"``: ``"cg"`` when a data pass is at most 8 batches.
+        Adam, or ``"auto"``: ``"cg"`` when a data pass is at most 32 batches.
     preconditioner : {"nystrom"} or None, default="nystrom"
         Conjugate gradients' preconditioner: a randomized Nystrom approximation of
         rank ``preconditioner_rank`` of the prior-whitened GGN (the few directions the

@@ -421,7 +421,7 @@ def test_solver_choice_and_conjugate_gradients(reg_data, reg_net):
     from sklearn_lla._posteriors.sampled import AUTO_ITERATIONS, CG_MAX_BATCHES
 
     small = SampledLLARegressor(reg_net, **kw).fit(reg_data.X, reg_data.y)
-    bs = -(-len(reg_data.X) // (CG_MAX_BATCHES + 1))  # CG_MAX_BATCHES + 1 batches
+    bs = max(1, len(reg_data.X) // (CG_MAX_BATCHES + 1))  # > CG_MAX_BATCHES batches
     big = SampledLLARegressor(reg_net, batch_size=bs, max_iter=50, **kw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
@@ -536,7 +536,8 @@ def test_lr_schedule_auto(reg_data, reg_net):
               random_state=0, device="cpu")
     full = SampledLLARegressor(reg_net, solver="adam", **kw).fit(reg_data.X, reg_data.y)
     assert full.hyper_trace_["lr_schedule"] == "cosine"
-    mini = SampledLLARegressor(reg_net, batch_size=4, **kw).fit(reg_data.X, reg_data.y)
+    # 60 batches of one row: more than CG_MAX_BATCHES, so "auto" is Adam
+    mini = SampledLLARegressor(reg_net, batch_size=1, **kw).fit(reg_data.X, reg_data.y)
     assert mini.hyper_trace_["solver"] == "adam" and mini.hyper_trace_["lr_schedule"] == "cosine"
     step = SampledLLARegressor(reg_net, solver="adam", lr_schedule="step", **kw).fit(
         reg_data.X, reg_data.y)

@@ -105,8 +105,11 @@ AUTO_ITERATIONS = {"cg": 1000, "adam": 300}
 AUTO_PRECONDITIONER_RANK = 2
 
 #: Largest number of batches in a full data pass for which ``solver="auto"`` uses
-#: conjugate gradients (one pass per iteration) rather than minibatch Adam.
-CG_MAX_BATCHES = 8
+#: conjugate gradients (one pass per iteration) rather than minibatch Adam. With the
+#: Nystrom preconditioner CG needs a few passes (5 on 8,192 Airline rows) where a
+#: default Adam E-step costs 300 minibatches: about the break-even at 32 batches of
+#: 256 rows (``docs/sampled.md``).
+CG_MAX_BATCHES = 32
 
 #: ``n_em_samples="auto"``: samples solved in the first EM step; later steps use as
 #: many as bring the relative standard error of ``gamma`` to :data:`EM_GAMMA_RSE`.
