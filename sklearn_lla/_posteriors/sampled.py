@@ -9,7 +9,8 @@ Antoran et al. (ICLR 2023), nothing ``P x P`` or ``NC x NC`` is ever formed:
   ``zeta_k ~ N(0, H^-1)``, ``H = sum_n J_n^T Lam_n J_n + A``, are found together, by
   conjugate gradients on the whitened linear systems (``solver="cg"``, the default
   when a data pass is at most :data:`CG_MAX_BATCHES` batches: deterministic, to a
-  relative residual ``tol``) or by minibatch Adam
+  relative residual ``tol``, preconditioned by a randomized Nystrom sketch of the
+  whitened GGN made once per fit, :mod:`sklearn_lla._core.krylov`) or by minibatch Adam
   (:func:`sklearn_lla._core.optim.minimize`). The samples minimise the
   low-variance sample-then-optimise objective
   ``1/2 z^T (sum_n J_n^T Lam_n J_n) z + 1/2 (z - theta_n)^T A (z - theta_n)`` with
