@@ -10,12 +10,19 @@
    ``SampledLLARegressor`` (K = 16, EM with ``--em-steps`` steps and ``--max-iter`` Adam
    steps per E-step) next to ``ELLARegressor`` (M = 500, K = 20) on the same net, and
    their ratio, from one run.
+3. ``--cost``: what one posterior sample costs, on an Airline-shaped net (8 inputs,
+   3 x 200 tanh, P = 82,401, float32; random inputs: the cost does not depend on the
+   values): one conjugate-gradient iteration (a data pass with one JVP and one VJP of
+   ``K + 1`` tangents) over 10,000 rows, the Nystrom sketch (rank ``2 (K + 1)``) over
+   the same rows, and one default Adam E-step (300 minibatch JVP / VJP pairs of 256
+   rows, whatever ``N``), each divided by ``K + 1``.
 
 Usage::
 
     python benchmarks/bench_sampled.py            # both parts (about 5 minutes, 1 thread)
     python benchmarks/bench_sampled.py --quick    # smoke run
     python benchmarks/bench_sampled.py --ks 8,32,128   # a shorter part 1
+    python benchmarks/bench_sampled.py --cost          # part 3 only (about a minute)
 """
 
 from __future__ import annotations
@@ -104,8 +111,52 @@ def year(n_train, max_iter, em_steps, device):
     return sum(p.numel() for p in net.parameters()), out, est
 
 
+def cost(K=64, n=10000, batch=256, repeats=2):
+    """Seconds per posterior sample of the E-step's units (part 3)."""
+    from sklearn_lla import SampledLLARegressor
+    from sklearn_lla._core.protocol import FitData
+    from sklearn_lla._posteriors._sampled_passes import _ggn_product_sums
+    from sklearn_lla.nets import MLP
+
+    torch.manual_seed(0)
+    net = MLP(8, 1, (200, 200, 200))
+    X = np.random.RandomState(0).randn(n, 8).astype(np.float32)
+    y = np.zeros(n, dtype=np.float32)
+    tiny = SampledLLARegressor(net, prior_variance=0.1, noise_variance=1.0, max_iter=1,
+                               n_posterior_samples=2, device="cpu", random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tiny.fit(X[:512], y[:512])
+    lin, lik = tiny.posterior_.lin, tiny.likelihood_
+    data = FitData(lin, lik, torch.as_tensor(X), torch.as_tensor(y)[:, None], batch_size=batch)
+
+    def timed(fn):
+        fn()  # warm up
+        t = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - t) / repeats
+
+    M = K + 1
+    g = torch.Generator().manual_seed(0)
+    T = torch.randn(M, lin.n_params, dtype=torch.float64, generator=g)
+    T2 = torch.randn(2 * M, lin.n_params, dtype=torch.float64, generator=g)
+    xb = torch.as_tensor(X[:batch])
+    sub = FitData(lin, lik, xb, torch.as_tensor(y[:batch])[:, None], batch_size=batch)
+    step = timed(lambda: sub.reduce(_ggn_product_sums, (lin, lik, T)))
+    rows = [
+        (f"CG iteration: JVP + VJP with K + 1 = {M} tangents over {n:,} rows",
+         timed(lambda: data.reduce(_ggn_product_sums, (lin, lik, T)))),
+        (f"Nystrom sketch (rank {2 * M}) over {n:,} rows",
+         timed(lambda: data.reduce(_ggn_product_sums, (lin, lik, T2)))),
+        (f"Adam E-step: 300 minibatches of {batch} rows, {M} tangents (any N)", 300 * step),
+    ]
+    return lin.n_params, M, rows
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--cost", action="store_true", help="part 3 only")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-iter", type=int, default=200)
@@ -114,6 +165,15 @@ def main():
     ap.add_argument("--ks", default="8,32,128,512", help="comma-separated K of part 1")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.cost:
+        P, M, rows = cost()
+        print(f"\n## Cost per posterior sample (Airline-shaped net, P = {P:,}, "
+              f"{args.threads} thread(s))\n")
+        print("| unit | seconds | seconds per sample |")
+        print("|---|---|---|")
+        for name, sec in rows:
+            print(f"| {name} | {sec:.2f} | {sec / M:.3f} |")
+        return
     Ks = (8, 32) if args.quick else tuple(int(k) for k in args.ks.split(","))
     P, rows = fidelity(Ks, 200 if args.quick else 1000, args.device)
     print(f"\n## Fidelity (small MLP, P = {P}, N = 300, s0^2 = 0.1, s2 = 0.01)\n")

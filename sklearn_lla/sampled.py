@@ -43,6 +43,9 @@ class _SampledMixin:
         "n_iter_no_change": [Interval(Integral, 1, None, closed="left")],
         "g_prior": ["boolean"],
         "solver": [StrOptions({"auto", "cg", "adam"})],
+        "preconditioner": [StrOptions({"nystrom"}), None],
+        "preconditioner_rank": [Interval(Integral, 1, None, closed="left"),
+                                StrOptions({"auto"})],
     }
 
     def _make_posterior(self, data):
@@ -54,7 +57,8 @@ class _SampledMixin:
             max_iter=self.max_iter, learning_rate=self.learning_rate,
             lr_schedule=self.lr_schedule, early_stopping=self.early_stopping, tol=self.tol,
             n_iter_no_change=self.n_iter_no_change, g_prior=self.g_prior,
-            solver=self.solver, name=type(self).__name__)
+            solver=self.solver, preconditioner=self.preconditioner,
+            preconditioner_rank=self.preconditioner_rank, name=type(self).__name__)
 
     def _store_fitted(self, posterior):
         self.effective_dim_ = float(posterior.effective_dim)
@@ -129,9 +133,17 @@ class SampledLLARegressor(_SampledMixin, LaplaceRegressorMixin):
     solver : {"auto", "cg", "adam"}, default="auto"
         How each E-step is solved. ``"cg"``: conjugate gradients, one full data pass
         per iteration, to the relative residual ``tol``. ``"adam"``: ``max_iter``
-        minibatch Adam steps. ``"auto"``: ``"cg"`` when a data pass is at most 8
+        minibatch Adam steps. ``"auto"``: ``"cg"`` when a data pass is at most 32
         batches of ``batch_size`` rows, ``"adam"`` beyond (the same for numpy and dask
         inputs).
+    preconditioner : {"nystrom"} or None, default="nystrom"
+        Conjugate gradients' preconditioner: a randomized Nystrom approximation of
+        rank ``preconditioner_rank`` of the prior-whitened GGN (the few directions the
+        data pin down, which make plain conjugate gradients slow), sketched once per
+        fit by one data pass; ``None``: plain conjugate gradients. Adam ignores it.
+    preconditioner_rank : int or "auto", default="auto"
+        The sketch's rank (memory ``rank x P`` doubles); ``"auto"``:
+        ``2 (n_posterior_samples + 1)``, at most the number of rows times outputs.
     validation_fraction : float, default=0.1
         Fraction of rows held out when a network is trained in ``fit`` (then used as
         held-out rows).
@@ -207,7 +219,8 @@ class SampledLLARegressor(_SampledMixin, LaplaceRegressorMixin):
                  noise_variance="auto", hyper_strategy="auto", n_em_steps=3,
                  n_em_samples="auto", max_iter="auto", learning_rate=0.1, lr_schedule="auto",
                  early_stopping=False, tol=1e-4, n_iter_no_change=3, g_prior=False,
-                 solver="auto", validation_fraction=0.1, trainable_only=True, device="auto",
+                 solver="auto", preconditioner="nystrom", preconditioner_rank="auto",
+                 validation_fraction=0.1, trainable_only=True, device="auto",
                  batch_size=256, random_state=None, verbose=0):
         self.net = net
         self.n_posterior_samples = n_posterior_samples
@@ -224,6 +237,8 @@ class SampledLLARegressor(_SampledMixin, LaplaceRegressorMixin):
         self.n_iter_no_change = n_iter_no_change
         self.g_prior = g_prior
         self.solver = solver
+        self.preconditioner = preconditioner
+        self.preconditioner_rank = preconditioner_rank
         self.validation_fraction = validation_fraction
         self.trainable_only = trainable_only
         self.device = device
@@ -281,7 +296,15 @@ class SampledLLAClassifier(_SampledMixin, LaplaceClassifierMixin):
         Per-parameter prior scales ``1 / sqrt(diag GGN)`` (normalised, clipped).
     solver : {"auto", "cg", "adam"}, default="auto"
         How each E-step is solved: conjugate gradients (full data passes), minibatch
-        Adam, or ``"auto"``: ``"cg"`` when a data pass is at most 8 batches.
+        Adam, or ``"auto"``: ``"cg"`` when a data pass is at most 32 batches.
+    preconditioner : {"nystrom"} or None, default="nystrom"
+        Conjugate gradients' preconditioner: a randomized Nystrom approximation of
+        rank ``preconditioner_rank`` of the prior-whitened GGN (the few directions the
+        data pin down, which make plain conjugate gradients slow), sketched once per
+        fit by one data pass; ``None``: plain conjugate gradients. Adam ignores it.
+    preconditioner_rank : int or "auto", default="auto"
+        The sketch's rank (memory ``rank x P`` doubles); ``"auto"``:
+        ``2 (n_posterior_samples + 1)``, at most the number of rows times outputs.
     link_approx : {"probit", "mc", "bridge"}, default="probit"
         Approximation of ``E softmax(f)`` under the latent Gaussian with the sample
         covariance.
@@ -362,7 +385,8 @@ class SampledLLAClassifier(_SampledMixin, LaplaceClassifierMixin):
     def __init__(self, net=None, *, n_posterior_samples=64, prior_variance="auto",
                  hyper_strategy="auto", n_em_steps=3, n_em_samples="auto", max_iter="auto",
                  learning_rate=0.1, lr_schedule="auto", early_stopping=False, tol=1e-4,
-                 n_iter_no_change=3, g_prior=False, solver="auto", link_approx="probit",
+                 n_iter_no_change=3, g_prior=False, solver="auto", preconditioner="nystrom",
+                 preconditioner_rank="auto", link_approx="probit",
                  n_samples_predict=512, classes=None, validation_fraction=0.1,
                  trainable_only=True, device="auto", batch_size=256, random_state=None,
                  verbose=0):
@@ -380,6 +404,8 @@ class SampledLLAClassifier(_SampledMixin, LaplaceClassifierMixin):
         self.n_iter_no_change = n_iter_no_change
         self.g_prior = g_prior
         self.solver = solver
+        self.preconditioner = preconditioner
+        self.preconditioner_rank = preconditioner_rank
         self.validation_fraction = validation_fraction
         self.link_approx = link_approx
         self.n_samples_predict = n_samples_predict

@@ -421,7 +421,7 @@ def test_solver_choice_and_conjugate_gradients(reg_data, reg_net):
     from sklearn_lla._posteriors.sampled import AUTO_ITERATIONS, CG_MAX_BATCHES
 
     small = SampledLLARegressor(reg_net, **kw).fit(reg_data.X, reg_data.y)
-    bs = -(-len(reg_data.X) // (CG_MAX_BATCHES + 1))  # CG_MAX_BATCHES + 1 batches
+    bs = max(1, len(reg_data.X) // (CG_MAX_BATCHES + 1))  # > CG_MAX_BATCHES batches
     big = SampledLLARegressor(reg_net, batch_size=bs, max_iter=50, **kw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
@@ -536,7 +536,8 @@ def test_lr_schedule_auto(reg_data, reg_net):
               random_state=0, device="cpu")
     full = SampledLLARegressor(reg_net, solver="adam", **kw).fit(reg_data.X, reg_data.y)
     assert full.hyper_trace_["lr_schedule"] == "cosine"
-    mini = SampledLLARegressor(reg_net, batch_size=4, **kw).fit(reg_data.X, reg_data.y)
+    # 60 batches of one row: more than CG_MAX_BATCHES, so "auto" is Adam
+    mini = SampledLLARegressor(reg_net, batch_size=1, **kw).fit(reg_data.X, reg_data.y)
     assert mini.hyper_trace_["solver"] == "adam" and mini.hyper_trace_["lr_schedule"] == "cosine"
     step = SampledLLARegressor(reg_net, solver="adam", lr_schedule="step", **kw).fit(
         reg_data.X, reg_data.y)
@@ -546,3 +547,43 @@ def test_lr_schedule_auto(reg_data, reg_net):
     assert not np.allclose(const.posterior_.samples.numpy(), full.posterior_.samples.numpy())
     cg = SampledLLARegressor(reg_net, **kw).fit(reg_data.X, reg_data.y)
     assert cg.hyper_trace_["solver"] == "cg" and "lr_schedule" not in cg.hyper_trace_
+
+
+def test_nystrom_preconditioned_cg(reg_data, reg_net, exact_reg):
+    # The same draws give the same linear systems: the preconditioned and the plain
+    # solver must land on the same samples and mode (to their tolerance), the
+    # preconditioned one in fewer data passes, and both at exact LLA's variance up to
+    # the Monte Carlo error of K = 64 samples (sqrt(2 / 64) = 0.18 per point).
+    kw = dict(prior_variance=S0, noise_variance=S2, n_posterior_samples=64, random_state=0,
+              device="cpu", solver="cg", tol=1e-8)
+    plain = SampledLLARegressor(reg_net, preconditioner=None, **kw).fit(reg_data.X, reg_data.y)
+    # rank 12 < N C = 60: an approximate sketch (the default, 2 (K + 1) = 130, would be
+    # capped at N C and exact here)
+    pcg = SampledLLARegressor(reg_net, preconditioner_rank=12, **kw).fit(reg_data.X, reg_data.y)
+    assert pcg.hyper_trace_["optimisation"]["preconditioner_rank"] == 12
+    assert "preconditioner_rank" not in plain.hyper_trace_["optimisation"]
+    a, b = plain.posterior_, pcg.posterior_
+    rel = float(torch.linalg.norm(b.samples - a.samples) / torch.linalg.norm(a.samples))
+    rel_mode = float(torch.linalg.norm(b.mode - a.mode) / torch.linalg.norm(a.mode))
+    print(f"\n[pcg] iterations plain {plain.n_iter_[-1]}, Nystrom rank 12 {pcg.n_iter_[-1]}; "
+          f"samples differ by {rel:.1e}, mode by {rel_mode:.1e}")
+    assert rel < 1e-6 and rel_mode < 1e-6
+    assert pcg.n_iter_[-1] < plain.n_iter_[-1] / 2
+    _, cov_e = exact_reg
+    _, cov = _cov(pcg, _queries(reg_data))
+    err = float(np.mean(np.abs(cov[:, 0, 0] / cov_e[:, 0, 0] - 1)))
+    print(f"[pcg] mean relative variance error to exact LLA: {err:.3f}")
+    assert err < 0.25
+    # gamma from the solve's residual (no data pass) is the quadratic form of a pass
+    _, jz = b.lin.jvp(torch.as_tensor(reg_data.X), b.samples)
+    gamma = float((jz.to(torch.float64) ** 2).sum((0, 1)).mean()) / S2
+    print(f"[pcg] gamma from the residual {pcg.effective_dim_:.6f}, from a pass {gamma:.6f}")
+    np.testing.assert_allclose(pcg.effective_dim_, gamma, rtol=1e-6)
+    # the sketch is made once per fit and rescaled: EM with it keeps the plain EM's
+    # hyperparameters (same draws, solves to the tolerance)
+    em = dict(n_posterior_samples=16, random_state=0, device="cpu", solver="cg", tol=1e-8)
+    e0 = SampledLLARegressor(reg_net, preconditioner=None, **em).fit(reg_data.X, reg_data.y)
+    e1 = SampledLLARegressor(reg_net, preconditioner_rank=12, **em).fit(reg_data.X, reg_data.y)
+    np.testing.assert_allclose(e1.prior_variance_, e0.prior_variance_, rtol=1e-6)
+    np.testing.assert_allclose(e1.noise_variance_, e0.noise_variance_, rtol=1e-6)
+    assert e1.n_iter_.sum() < e0.n_iter_.sum() / 2

@@ -9,7 +9,8 @@ Antoran et al. (ICLR 2023), nothing ``P x P`` or ``NC x NC`` is ever formed:
   ``zeta_k ~ N(0, H^-1)``, ``H = sum_n J_n^T Lam_n J_n + A``, are found together, by
   conjugate gradients on the whitened linear systems (``solver="cg"``, the default
   when a data pass is at most :data:`CG_MAX_BATCHES` batches: deterministic, to a
-  relative residual ``tol``) or by minibatch Adam
+  relative residual ``tol``, preconditioned by a randomized Nystrom sketch of the
+  whitened GGN made once per fit, :mod:`sklearn_lla._core.krylov`) or by minibatch Adam
   (:func:`sklearn_lla._core.optim.minimize`). The samples minimise the
   low-variance sample-then-optimise objective
   ``1/2 z^T (sum_n J_n^T Lam_n J_n) z + 1/2 (z - theta_n)^T A (z - theta_n)`` with
@@ -69,13 +70,21 @@ import torch
 from sklearn.exceptions import ConvergenceWarning
 
 from .._core.hyper import EM, HyperContext, HyperResult, ValidationGrid, resolve, strategy
-from .._core.likelihoods import mc_seed, uses_mc_link
+from .._core.krylov import NystromPreconditioner, block_cg, nystrom_preconditioner
+from .._core.likelihoods import mc_seed
 from .._core.optim import Patience, minibatches, minimize
 from .._core.protocol import LatentPredictive, Posterior, validation_residuals
 from .._network.linearized import stack_flat
+from ._sampled_passes import (
+    _ggn_diag_sums,
+    _ggn_product_sums,
+    _sample_cov,
+    _statistics_sums,
+    _validation_nll_sums,
+)
 
 __all__ = ["SampledLLAPosterior", "PRIOR_GRID", "NOISE_GRID", "G_PRIOR_FLOOR", "CG_MAX_BATCHES",
-           "AUTO_ITERATIONS", "EM_START_SAMPLES", "EM_GAMMA_RSE"]
+           "AUTO_ITERATIONS", "EM_START_SAMPLES", "EM_GAMMA_RSE", "AUTO_PRECONDITIONER_RANK"]
 
 _F64 = torch.float64
 
@@ -91,9 +100,17 @@ _CHECK_FREQ = 50
 #: its steps.
 AUTO_ITERATIONS = {"cg": 1000, "adam": 300}
 
+#: ``preconditioner_rank="auto"``: the Nystrom sketch's rank in units of the number
+#: of columns ``K + 1`` solved (the sketch costs this many conjugate-gradient
+#: iterations; measured in ``docs/sampled.md``).
+AUTO_PRECONDITIONER_RANK = 2
+
 #: Largest number of batches in a full data pass for which ``solver="auto"`` uses
-#: conjugate gradients (one pass per iteration) rather than minibatch Adam.
-CG_MAX_BATCHES = 8
+#: conjugate gradients (one pass per iteration) rather than minibatch Adam. With the
+#: Nystrom preconditioner CG needs a few passes (5 on 8,192 Airline rows) where a
+#: default Adam E-step costs 300 minibatches: about the break-even at 32 batches of
+#: 256 rows (``docs/sampled.md``).
+CG_MAX_BATCHES = 32
 
 #: ``n_em_samples="auto"``: samples solved in the first EM step; later steps use as
 #: many as bring the relative standard error of ``gamma`` to :data:`EM_GAMMA_RSE`.
@@ -141,6 +158,13 @@ class _EStepState:
         The mode's offset ``theta_bar - theta_hat``.
     sigma : Tensor (P,)
         The prior std ``s0 s`` of the current samples.
+    precond : NystromPreconditioner or None
+        Conjugate gradients' sketch of ``sigma G sigma``, made once per fit.
+    precond_ref : tuple or None
+        ``(sigma, 1 / s2)`` (``1`` for classification) the sketch was made at.
+    q_solved : Tensor (k,) or None
+        ``z_k^T G z_k`` of the samples the last conjugate-gradient E-step solved, from
+        its residual (``None`` after an Adam E-step).
     """
 
     theta_hat: torch.Tensor
@@ -151,6 +175,9 @@ class _EStepState:
     Z: torch.Tensor | None = None
     delta: torch.Tensor | None = None
     sigma: torch.Tensor | None = None
+    precond: NystromPreconditioner | None = None
+    precond_ref: tuple | None = None
+    q_solved: torch.Tensor | None = None
 
 
 class _HandGradient(torch.autograd.Function):
@@ -170,83 +197,6 @@ class _HandGradient(torch.autograd.Function):
     def backward(ctx, grad_out):
         (grad,) = ctx.saved_tensors
         return grad_out * grad, None, None
-
-
-def _sample_cov(jz: torch.Tensor) -> torch.Tensor:
-    """``(1/K) sum_k (J z_k)(J z_k)^T`` per point from ``jz`` of shape (B, C, K)."""
-    return torch.einsum("bck,bdk->bcd", jz, jz) / jz.shape[-1]
-
-
-def _ggn_diag_sums(payload, batches):
-    """``(diag(sum_n J_n^T Lam_n J_n),)`` over ``batches`` from Jacobian rows (float64)."""
-    lin, lik, n_outputs = payload
-    d = torch.zeros(lin.n_params, dtype=_F64, device=lin.device)
-    for x, _ in batches:
-        for sl, J in lin.jacobian_chunks(x, n_outputs):
-            A = lik.lam_factor(lin.forward(x[sl]).to(_F64))
-            d += torch.einsum("bcd,bcp->bdp", A, J.to(_F64)).pow(2).sum((0, 1))
-    return (d,)
-
-
-def _ggn_product_sums(payload, batches):
-    """``(sum_n J_n^T Lam_n J_n t_m for every tangent t_m,)`` over ``batches``.
-
-    ``payload = (lin, lik, T)``, ``T`` of shape (M, P); returns a float64 (M, P)
-    tensor. The matrix-vector product of the E-step's conjugate gradients: one JVP
-    with ``M`` tangents and one VJP with ``M`` cotangents per batch.
-    """
-    lin, lik, T = payload
-    out = torch.zeros(T.shape, dtype=_F64, device=T.device)
-    for x, _ in batches:
-        g, jt = lin.jvp(x, T)
-        A = lik.lam_factor(g.to(_F64))
-        ajt = torch.einsum("bcd,bck->bdk", A, jt.to(_F64))
-        cot = torch.einsum("bcd,bdk->kbc", A, ajt)
-        out += stack_flat(lin.vjp(x, cot), lin.names).to(_F64)
-    return (out,)
-
-
-def _statistics_sums(payload, batches):
-    """``(q, rss)`` over ``batches``: ``q_k = sum_n |A_n^T J_n z_k|^2`` for every sample
-    (their mean is the effective dimension ``gamma``) and the residual sum of squares of
-    the linear model's mode (regression)."""
-    lin, lik, delta, Z, regression = payload
-    T = torch.cat([delta[None], Z])
-    q = torch.zeros(Z.shape[0], dtype=_F64, device=Z.device)
-    rss = 0.0
-    for x, y in batches:
-        g, jt = lin.jvp(x, T)
-        g, jt = g.to(_F64), jt.to(_F64)
-        A = lik.lam_factor(g)
-        q += torch.einsum("bcd,bck->bdk", A, jt[..., 1:]).pow(2).sum((0, 1))
-        if regression:
-            rss += float((y - g - jt[..., 0]).pow(2).sum())
-    return q, rss
-
-
-def _validation_nll_sums(payload, batches):
-    """Row sums of the validation NLL of the samples, for each rescaling factor ``c``.
-
-    Regression: the samples for ``(c s0^2, c s2)`` are ``sqrt(c)`` times those for
-    ``(s0^2, s2)`` (same draws), so the predictive is ``N(g, c (cov + s2))`` exactly;
-    classification has ``factors = [1]``. Returns ``(sums (len(factors),), rows)``.
-    """
-    lin, Z, lik, regression, factors, s2_ref, seed = payload
-    mc = uses_mc_link(lik)
-    gen = torch.Generator().manual_seed(seed) if mc else None
-    out = torch.zeros(len(factors), dtype=_F64)
-    n = 0
-    for x, y in batches:
-        g, jz = lin.jvp(x, Z)
-        g, cov = g.to(_F64), _sample_cov(jz.to(_F64))
-        eps = None
-        if mc:
-            eps = torch.randn((lik.n_samples, *g.shape), dtype=_F64, generator=gen).to(g.device)
-        for j, c in enumerate(factors):
-            lk = lik.with_noise(c * s2_ref) if regression else lik
-            out[j] -= float(lk.log_predictive(g, c * cov, y, eps=eps).sum())
-        n += g.shape[0]
-    return out, n
 
 
 class SampledLLAPosterior(Posterior):
@@ -302,6 +252,13 @@ class SampledLLAPosterior(Posterior):
         (deterministic, stops at a relative residual ``tol``); ``"adam"``, minibatch
         Adam for ``max_iter`` steps; ``"auto"``: ``"cg"`` when a data pass is at most
         :data:`CG_MAX_BATCHES` batches, else ``"adam"``.
+    preconditioner : {"nystrom", None}, default="nystrom"
+        Conjugate gradients' preconditioner: a randomized Nystrom approximation of
+        the whitened GGN ``sigma G sigma`` (:mod:`sklearn_lla._core.krylov`), one sketch
+        per fit; ``None``: plain conjugate gradients.
+    preconditioner_rank : int or "auto", default="auto"
+        The sketch's rank; ``"auto"``: :data:`AUTO_PRECONDITIONER_RANK` ``x (K + 1)``
+        (at most ``N C`` and ``P``).
     validation_grid : ValidationGrid or None, default=None
         The prior factors (scanned in increasing order) and noise factors of
         ``hyper="validation"``; ``None``: :data:`PRIOR_GRID` and :data:`NOISE_GRID`.
@@ -315,8 +272,8 @@ class SampledLLAPosterior(Posterior):
     def __init__(self, prior_variance="auto", noise_variance=None, *, hyper="auto",
                  n_posterior_samples=64, n_em_steps=3, n_em_samples="auto", max_iter="auto",
                  learning_rate=0.1, lr_schedule="auto", early_stopping=False, tol=1e-4,
-                 n_iter_no_change=3, g_prior=False, solver="auto", validation_grid=None,
-                 name="SampledLLA"):
+                 n_iter_no_change=3, g_prior=False, solver="auto", preconditioner="nystrom",
+                 preconditioner_rank="auto", validation_grid=None, name="SampledLLA"):
         self.prior_variance = prior_variance
         self.noise_variance = noise_variance
         self.hyper = hyper
@@ -331,6 +288,9 @@ class SampledLLAPosterior(Posterior):
         self.n_iter_no_change = int(n_iter_no_change)
         self.g_prior = bool(g_prior)
         self.solver = solver
+        self.preconditioner = None if preconditioner in (None, "none") else preconditioner
+        self.preconditioner_rank = (preconditioner_rank if preconditioner_rank == "auto"
+                                    else int(preconditioner_rank))
         self.validation_grid = validation_grid or ValidationGrid(PRIOR_GRID, NOISE_GRID)
         self.name = str(name)
 
@@ -371,6 +331,20 @@ class SampledLLAPosterior(Posterior):
         function-space estimator) and the linear model's RSS."""
         q, rss = data.reduce(_statistics_sums, (data.lin, lik, delta, Z, self._regression))
         return q, float(rss)
+
+    def _sample_statistics(self, st, data, lik, k, rss=True):
+        """``(q, rss)`` of the first ``k`` samples and the mode after an E-step.
+
+        After conjugate gradients ``q`` comes from the solve itself
+        (:attr:`_EStepState.q_solved`) and only the RSS needs a pass (one tangent, and
+        none without ``rss`` or for classification); after Adam, one pass with
+        ``k + 1`` tangents (:meth:`_statistics`).
+        """
+        if st.q_solved is not None and st.q_solved.shape[0] == k:
+            if rss and self._regression:
+                return st.q_solved, self._statistics(data, lik, st.delta, st.Z[:0])[1]
+            return st.q_solved, 0.0
+        return self._statistics(data, lik, st.delta, st.Z[:k])
 
     def _validation_noise(self, data):
         """Mean squared residual of the network on the validation rows."""
@@ -458,6 +432,34 @@ class SampledLLAPosterior(Posterior):
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         return cut
 
+    def _preconditioner(self, st, data, lik, sigma):
+        """The Nystrom preconditioner of ``I + sigma G sigma``, or ``None`` when off.
+
+        One sketch per fit (a data pass with ``r`` tangents, its own random stream so
+        that the perturbations and minibatches do not change), made at the first
+        conjugate-gradient E-step and rescaled afterwards: a new prior variance or
+        noise variance multiplies ``sigma G sigma`` by a scalar.
+        """
+        if self.preconditioner is None:
+            return None
+        curv = 1.0 / float(lik.noise_variance) if self._regression else 1.0
+        if st.precond is None:
+            rank = self.preconditioner_rank
+            if rank == "auto":
+                rank = AUTO_PRECONDITIONER_RANK * (self.n_posterior_samples + 1)
+            rank = min(int(rank), data.n_samples * data.n_outputs, st.theta_hat.numel())
+
+            def matvec(V):
+                (D,) = data.reduce(_ggn_product_sums, (data.lin, lik, V * sigma))
+                return sigma * D
+
+            gen = torch.Generator().manual_seed(int(data.generator.initial_seed()) ^ 0x5EED)
+            st.precond = nystrom_preconditioner(matvec, st.theta_hat.numel(), rank, gen,
+                                                data.device)
+            st.precond_ref = (sigma.clone(), curv)
+        sigma_ref, curv_ref = st.precond_ref
+        return st.precond.rescaled(float((sigma / sigma_ref).pow(2).mean()) * curv / curv_ref)
+
     def _cg_e_step(self, st, data, lik, sigma, desc, max_iter, X, B):
         """Conjugate gradients on ``(I + sigma G sigma) u = b``, all columns.
 
@@ -478,32 +480,19 @@ class SampledLLAPosterior(Posterior):
             (D,) = data.reduce(_ggn_product_sums, (data.lin, lik, V * sigma))
             return V + sigma * D
 
-        # No preconditioner: a Jacobi one (diag(G) estimated from the perturbations)
-        # needed more iterations and made the iterates far more sensitive to rounding
-        # (docs/sampled.md).
-        tiny = torch.finfo(_F64).tiny
-        bnorm = B.norm(dim=1).clamp_min(tiny)
-        R = B - op(X)
-        D = R.clone()
-        rz = (R * R).sum(1)
+        precond = self._preconditioner(st, data, lik, sigma)
         bar = data.progress(max_iter, f"{self.name}: {desc}")
-        it, rel = 0, float((R.norm(dim=1) / bnorm).max())
+
+        def progress(it, rel):
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(residual=f"{rel:.2g}")
+
         try:
-            while rel > self.tol and it < max_iter:
-                MD = op(D)
-                alpha = rz / (D * MD).sum(1).clamp_min(tiny)
-                X += alpha[:, None] * D
-                R -= alpha[:, None] * MD
-                rz_new = (R * R).sum(1)
-                D = R + (rz_new / rz.clamp_min(tiny))[:, None] * D
-                rz, it = rz_new, it + 1
-                rel = float((R.norm(dim=1) / bnorm).max())
-                if not math.isfinite(rel):
-                    raise FloatingPointError(f"{self.name}: {desc}: conjugate gradients "
-                                             f"diverged at iteration {it}")
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(residual=f"{rel:.2g}")
+            X, it, rel, R = block_cg(op, B, X, self.tol, max_iter,
+                                     None if precond is None else precond.apply, progress)
+        except FloatingPointError as exc:
+            raise FloatingPointError(f"{self.name}: {desc}: {exc}") from None
         finally:
             if bar is not None:
                 bar.close()
@@ -513,10 +502,15 @@ class SampledLLAPosterior(Posterior):
                           "increase max_iter", ConvergenceWarning, stacklevel=4)
         if st.with_mode:
             st.delta = sigma * X[0] - st.theta_hat
-            X = X[1:]
+            X, B, R = X[1:], B[1:], R[1:]
+        # (I + sigma G sigma) u = b - r: z^T G z = u^T (b - r) - u^T u, no data pass
+        st.q_solved = (X * (B - R)).sum(1) - (X * X).sum(1)
         self.n_iter.append(it)
-        return {"solver": "cg", "n_iter": it, "relative_residual": rel,
-                "converged": rel <= self.tol}, X
+        out = {"solver": "cg", "n_iter": it, "relative_residual": rel,
+               "converged": rel <= self.tol}
+        if precond is not None:
+            out["preconditioner_rank"] = precond.rank
+        return out, X
 
     def _adam_e_step(self, st, data, lik, sigma, desc, max_iter, U, U_n):
         """Minibatch Adam on the same objective (:func:`sklearn_lla._core.optim.minimize`)
@@ -565,6 +559,7 @@ class SampledLLAPosterior(Posterior):
                        tol=self.tol, verbose=data.verbose, desc=f"{self.name}: {desc}",
                        lr_schedule=self._schedule())
         V = V.detach()
+        st.q_solved = None
         if m:
             st.delta = (V[0] * sigma).clone()
         self.n_iter.append(res.n_iter)
@@ -678,7 +673,7 @@ class SampledLLAPosterior(Posterior):
         res = self._e_step(st, data, lik, math.sqrt(s0) * scale, "posterior samples")
         if strat.uses_held_out and fit_prior and fit_noise:
             s0, s2, lik = self._refit_scale(st, data, lik, s0, s2, trace)
-        gamma = float(self._statistics(data, lik, st.delta, st.Z)[0].mean())
+        gamma = float(self._sample_statistics(st, data, lik, K, rss=False)[0].mean())
         trace["optimisation"] = res
         trace["solver"] = self._solver(data)
         if trace["solver"] == "adam":
@@ -742,7 +737,7 @@ class SampledLLAPosterior(Posterior):
             cut = self._partial_e_step(st, data, state["lik"],
                                        math.sqrt(prior_variance) * scale,
                                        f"EM step {it}/{self.n_em_steps}", k=k)
-            q, rss = self._statistics(data, state["lik"], st.delta, st.Z[:k])
+            q, rss = self._sample_statistics(st, data, state["lik"], k)
             gamma = float(q.mean())
             state["k"] = self._next_em_samples(k, q)
             w_sq = float(((st.theta_hat + st.delta) / scale).pow(2).sum())
