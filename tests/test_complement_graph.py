@@ -392,3 +392,46 @@ def test_occam_term_on_a_cnn_is_the_complement_block_log_det(task, cnn_cases):
         fd = (comp.outside_log_det(s0 * np.exp(h), s2)[0]
               - comp.outside_log_det(s0 * np.exp(-h), s2)[0]) / (2 * h)
         assert d_prior == pytest.approx(fd, rel=1e-6)
+
+
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_shared_pass_equals_separate_passes(task, cnn_cases, monkeypatch):
+    """ELLA's predict on the graph backend takes the features ``J(x) V`` and the
+    complement's terms from one forward + backward pass per chunk: the same predictive
+    (float64, 1e-10) as the features and the complement computed apart, also when the
+    batch spans several chunks; the features equal the dense Jacobian's ``J V``."""
+    X, y, Xt, net = cnn_cases[task]
+    module = copy.deepcopy(net.module_).double().eval()
+    cls = ELLAClassifier if task == "classification" else ELLARegressor
+    est = cls(module, device="cpu", n_nystrom=30, n_components=5,
+              random_state=0).fit(X, y)
+    post = est.posterior_
+    comp = post.complement
+    assert comp is not None and comp.shares_rows
+    Xq = torch.as_tensor(np.vstack([Xt, 3.0 * X[:5]]))
+    called = []
+    orig = comp.features_and_covariance
+    monkeypatch.setattr(comp, "features_and_covariance",
+                        lambda *a: called.append(1) or orig(*a))
+    shared = post.predict(Xq)
+    assert called  # the shared path was taken
+    # several chunks of points: the chunk budget cut to 3 points
+    monkeypatch.setattr(comp.source, "step", lambda C: 3)
+    chunked = post.predict(Xq)
+    monkeypatch.setattr(type(comp), "shares_rows", property(lambda self: False))
+    apart = post.predict(Xq)
+    for got in (shared, chunked):
+        np.testing.assert_allclose(got.mean.numpy(), apart.mean.numpy(), rtol=1e-12,
+                                   atol=1e-12)
+        np.testing.assert_allclose(got.cov.numpy(), apart.cov.numpy(), rtol=1e-10,
+                                   atol=1e-10 * float(apart.cov.abs().max()))
+    rows = comp.source.rows_and_factors(comp.lin._input(Xq))[0]
+    _, phi = post.features.of_rows(rows)
+    V = comp.lin.unflatten(post.features.V.double()) if isinstance(
+        post.features.V, torch.Tensor) else post.features.V
+    from sklearn_lla._network.linearized import stack_flat
+
+    Vf = stack_flat({n: v.double() for n, v in V.items()}, comp.lin.names)
+    want = comp.lin.jacobian(Xq).double() @ Vf.T
+    np.testing.assert_allclose(phi.numpy(), want.numpy(), rtol=1e-10,
+                               atol=1e-10 * float(want.abs().max()))

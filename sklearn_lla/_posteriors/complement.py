@@ -333,11 +333,13 @@ class KFACComplement:
         return self._cache[tau]
 
     # ---------------------------------------------------------------- prediction
-    def _terms(self, x, tau, joint):
-        """``(j^T Sigma_unit j, j^T Sigma_unit Q^T)`` at ``x``: per point ``(B, C, C)``
-        (``joint``: between all rows, ``(B C, B C)``) and ``(B, C, K)`` (or ``None``)."""
+    def _terms(self, factors, tau, joint):
+        """``(j^T Sigma_unit j, j^T Sigma_unit Q^T)`` from the layer factors of a batch
+        (:meth:`~sklearn_lla._posteriors.kfac_layers.GraphFactors.factors`): per point
+        ``(B, C, C)`` (``joint``: between all rows, ``(B C, B C)``) and ``(B, C, K)``
+        (or ``None``)."""
         W, wd, U, Ud, _ = self._pieces(tau)
-        _, facs, D = self.source.factors(x)
+        _, facs, D = factors
         B, C = (facs[0][1].shape[:2] if facs and facs[0] is not None else D.shape[:2])
         quad = torch.zeros((B * C, B * C) if joint else (B, C, C), dtype=_F64,
                            device=self.lin.device)
@@ -402,17 +404,76 @@ class KFACComplement:
 
     def unit_covariance(self, x, phi_o, tau):
         """:meth:`covariance` of ``Sigma_unit = (H_unit + tau I)^-1`` (``mult = 1``)."""
-        QSQ = self._pieces(tau)[4]
         x = self.lin._input(x)
-        parts = []
         C = None if phi_o is None else phi_o.shape[1]
-        for sl in _chunks(self.source, x, C or self.lin.n_outputs(x)):
-            cov, JU = self._terms(x[sl], tau, joint=False)
-            if JU is not None:
-                P = phi_o[sl].to(_F64)
-                cross = P @ JU.transpose(1, 2)
-                cov = cov - cross - cross.transpose(1, 2) + P @ QSQ @ P.transpose(1, 2)
-            parts.append(cov)
+        return self._psd([self._unit_chunk(self.source.factors(x[sl]),
+                                           None if phi_o is None else phi_o[sl], tau)
+                          for sl in _chunks(self.source, x, C or self.lin.n_outputs(x))])
+
+    @property
+    def shares_rows(self) -> bool:
+        """Whether :meth:`features_and_covariance` shares the Jacobian's pass between
+        the features and the complement (the graph backend's layer factors)."""
+        return bool(getattr(self.source, "shares_rows", False))
+
+    def features_and_covariance(self, x, features, W, s0, s2):
+        """The features of a batch and :meth:`covariance` there, from one forward and
+        one backward pass per chunk of points (:attr:`shares_rows`).
+
+        The rows that give ``phi(x) = J(x) V`` are contracted from the same layer
+        signals (inputs and back-propagated signals) as the complement's KFAC terms,
+        so the pass is done once.
+
+        Parameters
+        ----------
+        x : Tensor
+            Input batch.
+        features : Features
+            The posterior's features (:meth:`~sklearn_lla._posteriors.glm.Features.
+            of_rows`).
+        W : Tensor of shape (K, K) or None
+            The map of ``phi`` to the kept orthonormal coordinates (``None``: they are).
+        s0, s2 : float
+            Prior variance and noise variance (``None`` for classification).
+
+        Returns
+        -------
+        g : Tensor of shape (B, C)
+            The outputs, float64.
+        phi : Tensor of shape (B, C, K)
+            The features, float64.
+        cov : Tensor of shape (B, C, C)
+            ``j_perp^T Sigma j_perp`` per point, float64.
+        """
+        if not self.shares_rows:
+            raise ValueError("these layer factors do not share the rows' pass")
+        mult, tau = self._key(s0, s2)
+        x = self.lin._input(x)
+        gs, phis, covs = [], [], []
+        C = getattr(self, "_n_out", None) or self.lin.n_outputs(x[:1])
+        self._n_out = C
+        for sl in _chunks(self.source, x, C):
+            rows, facs = self.source.rows_and_factors(x[sl])
+            g, phi = features.of_rows(rows)
+            del rows
+            gs.append(g)
+            phis.append(phi)
+            covs.append(self._unit_chunk(facs, phi if W is None else phi @ W, tau))
+        return torch.cat(gs), torch.cat(phis), mult * self._psd(covs)
+
+    def _unit_chunk(self, factors, phi_o, tau):
+        """``j_perp^T Sigma_unit j_perp`` of one chunk of points (before :meth:`_psd`)."""
+        cov, JU = self._terms(factors, tau, joint=False)
+        if JU is not None:
+            QSQ = self._pieces(tau)[4]
+            P = phi_o.to(_F64)
+            cross = P @ JU.transpose(1, 2)
+            cov = cov - cross - cross.transpose(1, 2) + P @ QSQ @ P.transpose(1, 2)
+        return cov
+
+    @staticmethod
+    def _psd(parts):
+        """The chunks' blocks, symmetrised and projected on the PSD cone."""
         cov = torch.cat(parts)
         cov = 0.5 * (cov + cov.transpose(1, 2))
         if cov.shape[-1] == 1:
@@ -424,7 +485,7 @@ class KFACComplement:
         """The joint ``(B C, B C)`` covariance of ``j_perp^T Sigma j_perp`` across points."""
         mult, tau = self._key(s0, s2)
         QSQ = self._pieces(tau)[4]
-        cov, JU = self._terms(self.lin._input(x), tau, joint=True)
+        cov, JU = self._terms(self.source.factors(self.lin._input(x)), tau, joint=True)
         if JU is not None:
             B, C = JU.shape[:2]
             JU = JU.reshape(B * C, -1)

@@ -90,6 +90,36 @@ class Features(abc.ABC):
         g, phi = self(x)
         return g, phi, self.ntk_diag(x)
 
+    #: The directions ``V`` as tangents (``{name: (K, *shape)}`` or ``(K, P)``) for
+    #: :meth:`of_rows`; ``None``: the features are not ``J(x) V`` for a stored ``V``.
+    tangents = None
+
+    def of_rows(self, rows):
+        """``(g, phi)`` from Jacobian rows already computed at the batch (all outputs).
+
+        Parameters
+        ----------
+        rows : Rows
+            The rows of a batch (with their ``output``), e.g. those the KFAC
+            complement's terms are computed from
+            (:meth:`~sklearn_lla._posteriors.complement.KFACComplement.
+            features_and_covariance`).
+
+        Returns
+        -------
+        g : Tensor of shape (B, C)
+        phi : Tensor of shape (B, C, K)
+            Both float64, equal to ``self(x)``.
+        """
+        if self.tangents is None:
+            raise NotImplementedError(f"{type(self).__name__} has no stored directions")
+        T = self.lin._tangents(self.tangents)
+        K = next(iter(T.values())).shape[0]
+        B, C = rows.output.shape
+        with torch.no_grad():
+            phi = rows.matmul(T).view(B, C, K)
+        return rows.output.double(), phi.double()
+
 
 class JacobianFeatures(Features):
     """``V = I``: the features are the Jacobian rows themselves (``K = P``).
@@ -142,6 +172,11 @@ class ProjectionFeatures(Features):
         self.theta_sq_norm = float(theta @ theta)
         self.n_outside = lin.n_params - self.dim
         return self
+
+    @property
+    def tangents(self):
+        """The directions ``V`` (:meth:`Features.of_rows`)."""
+        return self._tangents
 
     def __call__(self, x):
         g, phi = self.lin.jvp(x, self._tangents)
@@ -658,13 +693,21 @@ class GLMPosterior(Posterior):
 
     def predict(self, x):
         """Latent predictive ``N(g(x), phi T diag(d) T^T phi^T)`` at a batch ``x``."""
+        outside = None
         if self.complement is None and self.residual_correction:
             g, phi, kdiag = self.features.with_ntk_diag(x)
+        elif (self.complement is not None and self.complement.shares_rows
+              and self.features.tangents is not None):
+            # one forward + backward pass for the features and the complement's terms
+            g, phi, outside = self.complement.features_and_covariance(
+                x, self.features, self._W, self.prior_variance, self._noise())
         else:
             (g, phi), kdiag = self.features(x), None
         psi = phi @ self.T
         cov = torch.einsum("bck,k,bdk->bcd", psi, self.d, psi)
-        if self.complement is not None:
+        if outside is not None:
+            cov = cov + outside
+        elif self.complement is not None:
             cov = cov + self.complement.covariance(x, _orthonormal(phi, self._W),
                                                    self.prior_variance, self._noise())
         elif self.residual_correction:

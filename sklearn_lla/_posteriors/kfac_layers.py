@@ -102,6 +102,10 @@ class ChainFactors:
         A network with ``backend == "structured"``.
     """
 
+    #: The chain's features come from its own forward-mode products, cheaper than
+    #: its rows: the complement's factors are computed separately.
+    shares_rows = False
+
     def __init__(self, lin):
         self.lin = lin
         self._blocks = None
@@ -179,6 +183,9 @@ class GraphFactors:
 
     KRON = (nn.Linear, nn.Conv1d, nn.Conv2d)
 
+    #: :meth:`rows_and_factors` shares one pass between the rows and the factors.
+    shares_rows = True
+
     def __init__(self, lin):
         self.lin = lin
         self.backend = lin.jacobian_backend
@@ -228,9 +235,34 @@ class GraphFactors:
         -------
         tuple
         """
+        g, sig = self.backend.layer_signals(self.lin._input(x))
+        return self._from_signals(g, sig, mix)
+
+    def rows_and_factors(self, x: Tensor) -> tuple:
+        """The Jacobian rows at ``x`` (all outputs) and :meth:`factors` of the same
+        forward and backward pass.
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, ...)
+            Inputs (cast by the network), at most :meth:`step` points.
+
+        Returns
+        -------
+        rows : GraphRows
+        factors : tuple
+            As :meth:`factors` (``mix=None``).
+        """
+        rows = self.backend.rows_and_signals(self.lin._input(x))
+        facs = self._from_signals(rows.output, rows.signals, None, rows.patches)
+        rows.signals = rows.patches = None  # (held by the factors now, as needed)
+        return rows, facs
+
+    def _from_signals(self, g: Tensor, sig: list, mix=None, patches=None) -> tuple:
+        """:meth:`factors` from the backend's layer signals (``patches``: the conv
+        layers' unfolded inputs, when the rows already hold them)."""
         from .._network.backends.graph import conv_patches, layer_blocks
 
-        g, sig = self.backend.layer_signals(self.lin._input(x))
         B, C = g.shape
         M = None if mix is None else mix(g.to(_F64))
         K = C if M is None else M.shape[1]
@@ -245,7 +277,9 @@ class GraphFactors:
                 a = a.to(_F64).reshape(B, -1, a.shape[-1])  # (B, T, in)
                 d = d.reshape(B, K, -1, blk.out).transpose(2, 3)  # (B, K, out, T)
             else:
-                a = (conv_patches(mod, a.to(_F64)) if layer.weight_name is not None else
+                pa = None if patches is None else patches.get(i)
+                a = ((pa.to(_F64) if pa is not None else conv_patches(mod, a.to(_F64)))
+                     if layer.weight_name is not None else
                      torch.zeros((B, d.reshape(B, K, blk.out, -1).shape[-1], 0),
                                  dtype=_F64, device=d.device))
                 d = d.reshape(B, K, blk.out, -1)
