@@ -435,3 +435,32 @@ def test_shared_pass_equals_separate_passes(task, cnn_cases, monkeypatch):
     want = comp.lin.jacobian(Xq).double() @ Vf.T
     np.testing.assert_allclose(phi.numpy(), want.numpy(), rtol=1e-10,
                                atol=1e-10 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("kept", [0, 5])
+def test_float32_shared_pass_matches_float64(kept, cnn_cases):
+    """The shared pass rotates a float32 net's factors in float32 and takes
+    ``j^T Sigma Q^T`` from the float32 rows: still the float64 net's complement to 1e-3
+    (as the float64 pass on a float32 net, :func:`test_float32_net_matches_float64`)."""
+    from sklearn_lla._posteriors.glm import ProjectionFeatures
+
+    out = {}
+    gen = torch.Generator().manual_seed(1)
+    lin, *_ = _setup(cnn_cases["classification"])
+    Q = torch.linalg.qr(torch.randn(lin.n_params, max(kept, 1), generator=gen,
+                                    dtype=torch.float64))[0].T
+    for dt in (torch.float64, torch.float32):
+        lin, lik, data, _ = _setup(cnn_cases["classification"], dtype=dt)
+        comp = KFACComplement(lin, data, Q if kept else None)
+        Xq = torch.as_tensor(cnn_cases["classification"][2], dtype=dt)
+        feats = ProjectionFeatures(Q).fit(lin)
+        g, phi, cov = comp.features_and_covariance(Xq, feats, None, 1.0 / TAU, None)
+        if dt == torch.float64:
+            want = comp.covariance(Xq, phi if kept else None, 1.0 / TAU, None)
+            np.testing.assert_allclose(cov.numpy(), want.numpy(), rtol=1e-10,
+                                       atol=1e-10 * float(want.abs().max()))
+            np.testing.assert_allclose(phi.numpy(), (lin.jacobian(Xq) @ Q.T).numpy(),
+                                       rtol=1e-10, atol=1e-12)
+        out[dt] = cov.numpy()
+    ref = out[torch.float64]
+    np.testing.assert_allclose(out[torch.float32], ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())

@@ -166,7 +166,7 @@ class KFACComplement:
             self.eig.append((lg.clamp_min(0.0), Ug, la.clamp_min(0.0), Ua))
         self.diag = out[2 * L].clamp_min(0.0)
         self.Q = None if Q is None or len(Q) == 0 else Q.to(_F64)
-        self._cache, self._rot = {}, None
+        self._cache, self._sq_cache, self._rot = {}, {}, None
         self.scale, self.fraction, self.outside_fraction = 1.0, 1.0, None
 
     # ---------------------------------------------------------------- algebra
@@ -228,7 +228,7 @@ class KFACComplement:
         outside = total - float(inside_trace)
         self.outside_fraction = max(outside, 0.0) / total if total > 0 else 0.0
         self.scale = 1.0 if self.outside_fraction > OUTSIDE_RTOL else 0.0
-        self._cache = {}
+        self._cache, self._sq_cache = {}, {}
         return self.scale
 
     # ---------------------------------------------------------------- evidence
@@ -333,19 +333,58 @@ class KFACComplement:
         return self._cache[tau]
 
     # ---------------------------------------------------------------- prediction
-    def _terms(self, factors, tau, joint):
+    def _eig_as(self, dtype):
+        """The factors' eigenbases ``[(U_G, U_A)]`` in ``dtype`` (cached)."""
+        cache = self.__dict__.setdefault("_eig_dtype", {})
+        if dtype not in cache:
+            cache[dtype] = [(Ug.to(dtype), Ua.to(dtype)) for _, Ug, _, Ua in self.eig]
+        return cache[dtype]
+
+    def _sigma_q(self, tau):
+        """``Sigma_unit Q^T`` as tangents ``{name: (K, *shape)}`` in the network's dtype
+        (cached per ``tau``): ``j^T Sigma_unit Q^T = J(x) (Sigma_unit Q^T)``, a product
+        the rows give with the features'."""
+        cache = self._sq_cache
+        if tau not in cache:
+            _, _, U, Ud, _ = self._pieces(tau)
+            K, out = len(self.Q), {}
+            for blk, (_, Ug, _, Ua), Yw in zip(self.blocks, self.eig, U):
+                M = Ug @ Yw @ Ua.T  # (K, out, in'): back from the eigenbases
+                if blk.weight_name is not None:
+                    n_w = blk.n_in - (blk.bias_name is not None)
+                    out[blk.weight_name] = M[..., :n_w].reshape(K, *blk.weight_shape)
+                if blk.bias_name is not None:
+                    out[blk.bias_name] = M[..., -1]
+            start = 0
+            for n in self.diag_names:
+                size = self.lin.params[n].numel()
+                out[n] = Ud[:, start:start + size].reshape(K, *self.lin.params[n].shape)
+                start += size
+            if len(cache) > 64:
+                cache.clear()
+            cache[tau] = {n: out[n].to(self.lin.dtype) for n in self.lin.names}
+        return cache[tau]
+
+    def _terms(self, factors, tau, joint, cross=True):
         """``(j^T Sigma_unit j, j^T Sigma_unit Q^T)`` from the layer factors of a batch
         (:meth:`~sklearn_lla._posteriors.kfac_layers.GraphFactors.factors`): per point
         ``(B, C, C)`` (``joint``: between all rows, ``(B C, B C)``) and ``(B, C, K)``
-        (or ``None``)."""
+        (or ``None``; also without ``cross``). The rotations into the eigenbases are
+        done in the factors' dtype (float64, or the network's for a prediction), the
+        sums over the blocks in float64."""
         W, wd, U, Ud, _ = self._pieces(tau)
+        if not cross:
+            U = Ud = None
         _, facs, D = factors
         B, C = (facs[0][1].shape[:2] if facs and facs[0] is not None else D.shape[:2])
+        dt_ = next((f[0].dtype for f in facs if f is not None), _F64 if D is None else D.dtype)
+        eig = self._eig_as(dt_)
+        W = [w.to(dt_) for w in W]
         quad = torch.zeros((B * C, B * C) if joint else (B, C, C), dtype=_F64,
                            device=self.lin.device)
         JU = None if U is None else torch.zeros((B, C, len(self.Q)), dtype=_F64,
                                                 device=self.lin.device)
-        for j, (f, (_, Ug, _, Ua), w) in enumerate(zip(facs, self.eig, W)):
+        for j, (f, (Ug, Ua), w) in enumerate(zip(facs, eig, W)):
             if f is None:
                 continue
             a, d = f
@@ -374,6 +413,7 @@ class KFACComplement:
             if JU is not None:
                 JU += Z @ U[j].reshape(len(U[j]), -1).T
         if D is not None:
+            D = D.to(_F64)
             if joint:
                 Ds = D.reshape(B * C, -1) * wd.sqrt()
                 quad += Ds @ Ds.T
@@ -452,18 +492,25 @@ class KFACComplement:
         gs, phis, covs = [], [], []
         C = getattr(self, "_n_out", None) or self.lin.n_outputs(x[:1])
         self._n_out = C
+        SQ = None if self.Q is None else self._sigma_q(tau)
         for sl in _chunks(self.source, x, C):
             rows, facs = self.source.rows_and_factors(x[sl])
-            g, phi = features.of_rows(rows)
+            # the features and j^T Sigma Q^T by one product of the rows
+            g, phi, *JU = features.of_rows(rows, SQ)
             del rows
             gs.append(g)
             phis.append(phi)
-            covs.append(self._unit_chunk(facs, phi if W is None else phi @ W, tau))
+            cov = self._terms(facs, tau, joint=False, cross=False)[0]
+            covs.append(self._with_cross(cov, JU[0].to(_F64) if JU else None,
+                                         phi if W is None else phi @ W, tau))
         return torch.cat(gs), torch.cat(phis), mult * self._psd(covs)
 
     def _unit_chunk(self, factors, phi_o, tau):
         """``j_perp^T Sigma_unit j_perp`` of one chunk of points (before :meth:`_psd`)."""
-        cov, JU = self._terms(factors, tau, joint=False)
+        return self._with_cross(*self._terms(factors, tau, joint=False), phi_o, tau)
+
+    def _with_cross(self, cov, JU, phi_o, tau):
+        """``j^T Sigma j - 2 phi (Q Sigma j) + phi (Q Sigma Q^T) phi^T`` per point."""
         if JU is not None:
             QSQ = self._pieces(tau)[4]
             P = phi_o.to(_F64)

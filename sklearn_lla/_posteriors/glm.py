@@ -94,7 +94,7 @@ class Features(abc.ABC):
     #: :meth:`of_rows`; ``None``: the features are not ``J(x) V`` for a stored ``V``.
     tangents = None
 
-    def of_rows(self, rows):
+    def of_rows(self, rows, extra=None):
         """``(g, phi)`` from Jacobian rows already computed at the batch (all outputs).
 
         Parameters
@@ -104,21 +104,28 @@ class Features(abc.ABC):
             complement's terms are computed from
             (:meth:`~sklearn_lla._posteriors.complement.KFACComplement.
             features_and_covariance`).
+        extra : dict of str to Tensor of shape (L, *param_shape), optional
+            More directions ``U``, multiplied in the same product.
 
         Returns
         -------
         g : Tensor of shape (B, C)
         phi : Tensor of shape (B, C, K)
             Both float64, equal to ``self(x)``.
+        ju : Tensor of shape (B, C, L)
+            ``J(x) U^T`` in the network's dtype (only with ``extra``).
         """
         if self.tangents is None:
             raise NotImplementedError(f"{type(self).__name__} has no stored directions")
         T = self.lin._tangents(self.tangents)
         K = next(iter(T.values())).shape[0]
+        if extra is not None:
+            T = {n: torch.cat([T[n], extra[n].to(T[n].dtype)]) for n in T}
         B, C = rows.output.shape
         with torch.no_grad():
-            phi = rows.matmul(T).view(B, C, K)
-        return rows.output.double(), phi.double()
+            prod = rows.matmul(T).view(B, C, -1)
+        g, phi = rows.output.double(), prod[..., :K].double()
+        return (g, phi) if extra is None else (g, phi, prod[..., K:])
 
 
 class JacobianFeatures(Features):
