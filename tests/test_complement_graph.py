@@ -464,3 +464,51 @@ def test_float32_shared_pass_matches_float64(kept, cnn_cases):
         out[dt] = cov.numpy()
     ref = out[torch.float64]
     np.testing.assert_allclose(out[torch.float32], ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_shared_training_pass_equals_separate_passes(task, cnn_cases, monkeypatch):
+    """ELLA's fit on the graph backend accumulates the features' GGN and the KFAC
+    factors from one pass over the training rows (the signals mixed by the likelihood's
+    curvature after the backward pass): the same factors, GGN trace, hyperparameters
+    and predictive (float64, 1e-10) as the two passes apart."""
+    from sklearn_lla._posteriors import glm
+    from sklearn_lla._posteriors.kfac_layers import GraphFactors
+
+    X, y, Xt, net = cnn_cases[task]
+    module = copy.deepcopy(net.module_).double().eval()
+    cls = ELLAClassifier if task == "classification" else ELLARegressor
+    calls = []
+    orig = glm.kfac_and_rows_pass
+    monkeypatch.setattr(glm, "kfac_and_rows_pass",
+                        lambda *a: calls.append(1) or orig(*a))
+    kw = dict(device="cpu", n_nystrom=30, n_components=5, random_state=0, batch_size=16)
+    shared = cls(module, **kw).fit(X, y)
+    assert calls
+    monkeypatch.setattr(GraphFactors, "shares_rows", False)
+    apart = cls(module, **kw).fit(X, y)
+    c1, c2 = shared.posterior_.complement, apart.posterior_.complement
+    assert c1.ggn_trace == pytest.approx(c2.ggn_trace, rel=1e-10)
+    for e1, e2 in zip(c1.eig, c2.eig):
+        for u, v in ((e1[0], e2[0]), (e1[2], e2[2])):  # the factors' eigenvalues
+            np.testing.assert_allclose(u.numpy(), v.numpy(), rtol=1e-10,
+                                       atol=1e-10 * float(v.abs().max()))
+    np.testing.assert_allclose(c1.diag.numpy(), c2.diag.numpy(), rtol=1e-10)
+    assert shared.prior_variance_ == pytest.approx(apart.prior_variance_, rel=1e-8)
+    Xq = torch.as_tensor(Xt)
+    p1, p2 = shared.posterior_.predict(Xq), apart.posterior_.predict(Xq)
+    np.testing.assert_allclose(p1.cov.numpy(), p2.cov.numpy(), rtol=1e-8,
+                               atol=1e-8 * float(p2.cov.abs().max()))
+
+
+@pytest.mark.parametrize("T,out,n_in", [(4, 3, 50), (9, 6, 2)])
+def test_block_trace_both_ways(T, out, n_in):
+    """The exact trace of a Kronecker block's rows: the Gram identity (first case) and
+    the formed blocks (second) against ``||sum_t d_t a_t^T||^2`` formed densely."""
+    from sklearn_lla._posteriors.complement import _block_trace
+
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(4, T, n_in, generator=gen, dtype=torch.float64)
+    d = torch.randn(4, 5, out, T, generator=gen, dtype=torch.float64)
+    want = float(torch.einsum("bkot,bti->bkoi", d, a).pow(2).sum())
+    assert _block_trace(a, d) == pytest.approx(want, rel=1e-12)

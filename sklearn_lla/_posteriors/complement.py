@@ -76,45 +76,119 @@ def _chunks(src, x, C):
     return [slice(s, s + step) for s in range(0, x.shape[0], step)]
 
 
+def _block_trace(a, d):
+    """``sum_b sum_k ||sum_t d_bkt abar_bt^T||_F^2`` of a Kronecker block's rows (the
+    exact GGN trace's share), by whichever is cheaper: forming the row blocks
+    (``out T in'`` per row) or the Gram identity ``sum_tt' (d_t . d_t')(abar_t .
+    abar_t')`` (``T^2 out`` per row and ``T^2 in'`` per point)."""
+    b, K, o, T = d.shape
+    if T == 1:
+        return float((d[..., 0].pow(2).sum(-1) * a[:, None, 0].pow(2).sum(-1)).sum())
+    n_in = a.shape[-1]
+    if K * T * T * o + T * T * n_in < K * o * T * n_in:
+        Ga = a @ a.transpose(1, 2)  # (b, T, T)
+        dd = d.reshape(b * K, o, T)
+        Gd = (dd.transpose(1, 2) @ dd).reshape(b, K, T, T)
+        return float((Gd * Ga[:, None]).sum())
+    return float(torch.bmm(d.reshape(b, K * o, T), a).pow(2).sum())
+
+
+class _FactorSums:
+    """The row sums of the KFAC factors (module docstring) over chunks of points."""
+
+    def __init__(self, lin, src):
+        self.lin, self.src = lin, src
+        self.A = self.G = None
+        self.diag = torch.zeros(sum(lin.params[n].numel() for n in src.diag_names),
+                                dtype=_F64, device=lin.device)
+        self.n, self.tr = 0, 0.0
+
+    def add(self, facs, D, n_points, x):
+        """Add one chunk's float64 factors ``[(a, d) per block]`` and diagonal rows
+        (``x``: the chunk's inputs, for the blocks' shapes)."""
+        if self.A is None:
+            blocks = self.src.blocks(x)
+            dev = self.lin.device
+            self.A = [torch.zeros((b.n_in, b.n_in), dtype=_F64, device=dev) for b in blocks]
+            self.G = [torch.zeros((b.out, b.out), dtype=_F64, device=dev) for b in blocks]
+        for j, f in enumerate(facs):
+            if f is None:
+                continue
+            a, d = f  # (b, T, in'), (b, K, out, T)
+            T = a.shape[1]
+            af = a.reshape(-1, a.shape[-1])
+            self.A[j] += (af.T @ af) / T
+            df = d.transpose(2, 3).reshape(-1, d.shape[2])
+            self.G[j] += df.T @ df
+            self.tr += _block_trace(a, d)
+        if D is not None:
+            sq = D.pow(2).sum((0, 1))
+            self.diag += sq
+            self.tr += float(sq.sum())
+        self.n += int(n_points)
+
+    def result(self):
+        """``(A per block..., G per block..., diagonal GGN, n_points, tr GGN)``."""
+        return (*self.A, *self.G, self.diag, self.n, self.tr)
+
+
+def _mixer(lik):
+    """The likelihood's curvature factor as the rows' mixing (``None``: unit)."""
+    return None if lik.unit_curvature else (lambda g: lik.lam_factor(g).transpose(1, 2))
+
+
 def _kfac_pass(payload, batches):
     """Row sums of the KFAC factors: ``(sum_n mean_t abar abar^T per block..., G per
     block..., diagonal GGN, n_points, tr GGN)`` over ``batches`` (module docstring)."""
     lin, lik = payload
     src = layer_factors(lin)
-    mix = None if lik.unit_curvature else (lambda g: lik.lam_factor(g).transpose(1, 2))
-    A = G = None
-    diag = torch.zeros(sum(lin.params[n].numel() for n in src.diag_names), dtype=_F64,
-                       device=lin.device)
-    n, tr, C = 0, 0.0, None
+    mix = _mixer(lik)
+    sums, C = _FactorSums(lin, src), None
     for x, _ in batches:
         x = lin._input(x)
-        if A is None:
-            blocks = src.blocks(x)
-            A = [torch.zeros((b.n_in, b.n_in), dtype=_F64, device=lin.device) for b in blocks]
-            G = [torch.zeros((b.out, b.out), dtype=_F64, device=lin.device) for b in blocks]
+        if C is None:
             C = lin.n_outputs(x)
         for sl in _chunks(src, x, C):
             _, facs, D = src.factors(x[sl], mix)
-            for j, f in enumerate(facs):
-                if f is None:
-                    continue
-                a, d = f  # (b, T, in'), (b, K, out, T)
-                T = a.shape[1]
-                af = a.reshape(-1, a.shape[-1])
-                A[j] += (af.T @ af) / T
-                df = d.transpose(2, 3).reshape(-1, d.shape[2])
-                G[j] += df.T @ df
-                if T == 1:
-                    tr += float((d[..., 0].pow(2).sum(-1) * a[:, None, 0].pow(2).sum(-1)).sum())
-                else:  # the row blocks sum_t d_t abar_t^T, formed: (b, K, out, in')
-                    b_, K_, o_ = d.shape[:3]
-                    tr += float(torch.bmm(d.reshape(b_, K_ * o_, T), a).pow(2).sum())
-            if D is not None:
-                sq = D.pow(2).sum((0, 1))
-                diag += sq
-                tr += float(sq.sum())
-        n += x.shape[0]
-    return (*A, *G, diag, n, tr)
+            sums.add(facs, D, 0, x)
+        sums.n += x.shape[0]
+    return sums.result()
+
+
+def kfac_and_rows_pass(payload, batches):
+    """:func:`_kfac_pass` and a per-chunk function of the same rows, in one pass.
+
+    For layer factors that share the rows' pass (the graph backend): each chunk's
+    forward and backward pass gives the Jacobian rows (all outputs), passed to
+    ``fn(rows, x, y, state)``, and the KFAC factors (the rows' signals mixed by the
+    likelihood's curvature factor afterwards: the mixing is linear).
+
+    Parameters
+    ----------
+    payload : tuple
+        ``(lin, likelihood, fn, state)``: ``state`` a list of row sums (float64
+        tensors, floats, ints) that ``fn`` adds to in place.
+    batches : iterable of (x, y)
+
+    Returns
+    -------
+    tuple
+        :func:`_kfac_pass`'s sums, then the entries of ``state``.
+    """
+    lin, lik, fn, state = payload
+    src = layer_factors(lin)
+    mix = _mixer(lik)
+    sums, C = _FactorSums(lin, src), None
+    for x, y in batches:
+        x = lin._input(x)
+        if C is None:
+            C = lin.n_outputs(x[:1])
+        for sl in _chunks(src, x, C):
+            rows, (_, facs, D) = src.rows_and_factors(x[sl], mix, _F64)
+            fn(rows, x[sl], y[sl], state)
+            del rows
+            sums.add(facs, D, min(sl.stop, x.shape[0]) - sl.start, x)
+    return (*sums.result(), *state)
 
 
 class KFACComplement:
@@ -129,6 +203,9 @@ class KFACComplement:
     Q : Tensor of shape (K, P) or None
         Orthonormal rows spanning the kept directions (float64); ``None``: nothing
         kept (the KFAC Laplace predictive).
+    sums : tuple, optional
+        The factors' row sums over ``data`` already accumulated
+        (:func:`kfac_and_rows_pass`); default: one pass of their own.
 
     Attributes
     ----------
@@ -144,7 +221,7 @@ class KFACComplement:
         ``tr GGN`` (exact, unit noise) of all training rows.
     """
 
-    def __init__(self, lin, data, Q):
+    def __init__(self, lin, data, Q, sums=None):
         if not supports_kfac_complement(lin):
             raise ValueError("the KFAC complement needs the structured or graph Jacobian "
                              "backend")
@@ -152,7 +229,7 @@ class KFACComplement:
         self.source = layer_factors(lin)
         self.regression = data.likelihood.task == "regression"
         bs = min(data.batch_size, 1024)
-        out = data.reduce(_kfac_pass, (lin, data.likelihood), bs)
+        out = data.reduce(_kfac_pass, (lin, data.likelihood), bs) if sums is None else sums
         self.blocks = self.source.blocks(lin._input(data.rows(slice(0, 1))[0]))
         self.diag_names = list(self.source.diag_names)
         L = len(self.blocks)

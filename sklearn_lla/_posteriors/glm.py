@@ -25,6 +25,7 @@ early stopping ended the stream early). Hyperparameter strategies
 from __future__ import annotations
 
 import abc
+import functools
 import warnings
 from dataclasses import replace
 
@@ -44,7 +45,8 @@ from .._core.protocol import (
     validation_residuals,
 )
 from .._network.linearized import stack_flat
-from .complement import KFACComplement, supports_kfac_complement
+from .complement import KFACComplement, kfac_and_rows_pass, supports_kfac_complement
+from .kfac_layers import layer_factors
 
 __all__ = ["Features", "JacobianFeatures", "ProjectionFeatures", "GLMPosterior"]
 
@@ -202,9 +204,10 @@ def phi_lam(lik, g, phi):
     return torch.einsum("bck,bcl->bkl", lik.lam_factor(g), phi)
 
 
-def _accumulate_batch(feats, lik, G, x, y):
-    """Add one batch's ``phi^T Lam phi`` to ``G``; returns (fit statistic, rows)."""
-    g, phi = feats(x)
+def _accumulate_batch(feats, lik, G, x, y, gphi=None):
+    """Add one batch's ``phi^T Lam phi`` to ``G``; returns (fit statistic, rows).
+    ``gphi``: the batch's ``(g, phi)`` when already computed."""
+    g, phi = feats(x) if gphi is None else gphi
     check_finite_outputs(g, "training rows")
     P = phi_lam(lik, g, phi)
     if P.ndim == 3:
@@ -241,6 +244,15 @@ def ggn_statistics(payload, batches):
         fit_stat += df
         n += b
     return G, fit_stat, n
+
+
+def _ggn_of_rows(feats, lik, rows, x, y, state):
+    """:func:`ggn_statistics`'s sums ``state = [G, fit statistic, n_rows]`` of a chunk
+    from its Jacobian rows (the pass the KFAC complement's factors share,
+    :func:`~sklearn_lla._posteriors.complement.kfac_and_rows_pass`)."""
+    df, b = _accumulate_batch(feats, lik, state[0], x, y, feats.of_rows(rows))
+    state[1] += df
+    state[2] += b
 
 
 def _batch_ggn_trace(feats, lik, x):
@@ -479,14 +491,27 @@ class GLMPosterior(Posterior):
         self.history = []
         self._W = self._whiten_map()
         self.complement = None
+        shared = None
         if self.residual_correction == "kfac":
-            if supports_kfac_complement(data.lin):
-                self.complement = KFACComplement(data.lin, data, self._kept_rows())
-            else:
+            if not supports_kfac_complement(data.lin):
                 self.residual_correction = False
+            elif (not self.early_stopping and feats.tangents is not None
+                  and getattr(layer_factors(data.lin), "shares_rows", False)):
+                # one pass over the training rows: the GGN of the features and the
+                # complement's KFAC factors from the same rows (graph backend)
+                state = [torch.zeros((K, K), dtype=torch.float64, device=data.device), 0.0, 0]
+                shared = data.reduce(kfac_and_rows_pass, (
+                    data.lin, lik, functools.partial(_ggn_of_rows, feats, lik), state),
+                    bs, desc=f"{self.label}: accumulating the GGN and the KFAC factors")
+                self.complement = KFACComplement(data.lin, data, self._kept_rows(),
+                                                 sums=shared[:-3])
+            else:
+                self.complement = KFACComplement(data.lin, data, self._kept_rows())
         self._mc_seed = mc_seed(lik, data.generator)
         desc = f"{self.label}: accumulating the GGN"
-        if not self.early_stopping:  # one row-sum pass (per partition on dask input)
+        if shared is not None:
+            G, fit_stat, n_seen = shared[-3:]
+        elif not self.early_stopping:  # one row-sum pass (per partition on dask input)
             G, fit_stat, n_seen = data.reduce(ggn_statistics, (feats, lik, data.device), bs,
                                               desc=desc)
         else:

@@ -238,7 +238,7 @@ class GraphFactors:
         g, sig = self.backend.layer_signals(self.lin._input(x))
         return self._from_signals(g, sig, mix)
 
-    def rows_and_factors(self, x: Tensor) -> tuple:
+    def rows_and_factors(self, x: Tensor, mix=None, dtype=None) -> tuple:
         """The Jacobian rows at ``x`` (all outputs) and :meth:`factors` of the same
         forward and backward pass.
 
@@ -246,19 +246,23 @@ class GraphFactors:
         ----------
         x : Tensor of shape (B, ...)
             Inputs (cast by the network), at most :meth:`step` points.
+        mix : callable, optional
+            As in :meth:`factors` (the signals are mixed after the backward pass).
+        dtype : torch.dtype, optional
+            The factors' dtype (default the network's: a prediction's rotations).
 
         Returns
         -------
         rows : GraphRows
         factors : tuple
-            As :meth:`factors` (``mix=None``).
+            As :meth:`factors`.
         """
         rows = self.backend.rows_and_signals(self.lin._input(x))
         dense = None
         if self.diag_names and rows.D is not None:  # the diagonal parameters' rows
             dense = rows._columns(rows.D, rows.dense_names)
-        facs = self._from_signals(rows.output, rows.signals, None, rows.patches,
-                                  dtype=self.lin.dtype, dense=dense)
+        facs = self._from_signals(rows.output, rows.signals, mix, rows.patches,
+                                  dtype=dtype or self.lin.dtype, dense=dense)
         rows.signals = rows.patches = None  # (held by the factors now, as needed)
         return rows, facs
 
@@ -294,8 +298,9 @@ class GraphFactors:
                                    layer.bias_name is not None), d))
         D = None
         if self.diag_names:
-            cols = {} if dense is None else {n: dense[n] for n in self.diag_names
-                                             if n in dense}
+            cols = {} if dense is None else {  # (B, K, numel) once mixed
+                n: _mix(dense[n].to(dtype).reshape(B, C, -1), M)
+                for n in self.diag_names if n in dense}
             for i in self._diag:
                 if sig[i] is None or all(n in cols for n in self.backend.layers[i].names()):
                     continue
@@ -304,7 +309,7 @@ class GraphFactors:
                 _, blocks = layer_blocks(layer, mod, a.to(dtype),
                                          d.reshape(B * K, *d.shape[2:]), K)
                 cols.update(blocks)
-            D = torch.cat([cols[n].to(dtype).reshape(B, K, -1) if n in cols else
+            D = torch.cat([cols[n].reshape(B, K, -1) if n in cols else
                            torch.zeros((B, K, self.lin.params[n].numel()), dtype=dtype,
                                        device=g.device) for n in self.diag_names], dim=-1)
         return g, out, D
