@@ -80,16 +80,16 @@ def _block_trace(a, d):
     """``sum_b sum_k ||sum_t d_bkt abar_bt^T||_F^2`` of a Kronecker block's rows (the
     exact GGN trace's share), by whichever is cheaper: forming the row blocks
     (``out T in'`` per row) or the Gram identity ``sum_tt' (d_t . d_t')(abar_t .
-    abar_t')`` (``T^2 out`` per row and ``T^2 in'`` per point)."""
+    abar_t') = sum_k d_k^T (abar abar^T) d_k`` (``T^2 out`` per row and ``T^2 in'`` per
+    point, one batched product per point)."""
     b, K, o, T = d.shape
     if T == 1:
         return float((d[..., 0].pow(2).sum(-1) * a[:, None, 0].pow(2).sum(-1)).sum())
     n_in = a.shape[-1]
     if K * T * T * o + T * T * n_in < K * o * T * n_in:
         Ga = a @ a.transpose(1, 2)  # (b, T, T)
-        dd = d.reshape(b * K, o, T)
-        Gd = (dd.transpose(1, 2) @ dd).reshape(b, K, T, T)
-        return float((Gd * Ga[:, None]).sum())
+        dd = d.reshape(b, K * o, T)
+        return float((torch.bmm(dd, Ga) * dd).sum())
     return float(torch.bmm(d.reshape(b, K * o, T), a).pow(2).sum())
 
 
