@@ -512,3 +512,30 @@ def test_block_trace_both_ways(T, out, n_in):
     d = torch.randn(4, 5, out, T, generator=gen, dtype=torch.float64)
     want = float(torch.einsum("bkot,bti->bkoi", d, a).pow(2).sum())
     assert _block_trace(a, d) == pytest.approx(want, rel=1e-12)
+
+
+def test_held_out_grid_reuses_the_factors(cnn_cases, monkeypatch):
+    """With ``validation_data`` the held-out NLL of each candidate prior variance needs
+    the complement at its own ``tau``: the layer factors of a validation batch are
+    computed once for all candidates, with the same choice and predictive as
+    recomputing them per candidate."""
+    X, y, Xt, net = cnn_cases["classification"]
+    module = copy.deepcopy(net.module_).double().eval()
+    kw = dict(device="cpu", n_nystrom=30, n_components=5, random_state=0,
+              hyper_strategy="validation")
+    calls, taus = [], []
+    orig_cf = KFACComplement.chunk_factors
+    orig_uc = KFACComplement.unit_covariance
+    monkeypatch.setattr(KFACComplement, "chunk_factors",
+                        lambda self, *a: calls.append(1) or orig_cf(self, *a))
+    monkeypatch.setattr(KFACComplement, "unit_covariance",
+                        lambda self, *a: taus.append(a[2]) or orig_uc(self, *a))
+    once = ELLAClassifier(module, **kw).fit(X[:45], y[:45], validation_data=(X[45:], y[45:]))
+    assert calls and len(set(taus)) > len(calls)  # several candidates per factors pass
+    monkeypatch.setattr(KFACComplement, "chunk_factors", lambda self, *a: None)
+    each = ELLAClassifier(module, **kw).fit(X[:45], y[:45], validation_data=(X[45:], y[45:]))
+    assert once.prior_variance_ == pytest.approx(each.prior_variance_, rel=1e-10)
+    Xq = torch.as_tensor(Xt)
+    p1, p2 = once.posterior_.predict(Xq), each.posterior_.predict(Xq)
+    np.testing.assert_allclose(p1.cov.numpy(), p2.cov.numpy(), rtol=1e-10,
+                               atol=1e-10 * float(p2.cov.abs().max()))

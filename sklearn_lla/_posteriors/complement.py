@@ -519,13 +519,34 @@ class KFACComplement:
         mult, tau = self._key(s0, s2)
         return mult * self.unit_covariance(x, phi_o, tau)
 
-    def unit_covariance(self, x, phi_o, tau):
-        """:meth:`covariance` of ``Sigma_unit = (H_unit + tau I)^-1`` (``mult = 1``)."""
+    def unit_covariance(self, x, phi_o, tau, factors=None):
+        """:meth:`covariance` of ``Sigma_unit = (H_unit + tau I)^-1`` (``mult = 1``);
+        ``factors``: :meth:`chunk_factors` of ``x`` (for several ``tau``)."""
         x = self.lin._input(x)
         C = None if phi_o is None else phi_o.shape[1]
-        return self._psd([self._unit_chunk(self.source.factors(x[sl]),
-                                           None if phi_o is None else phi_o[sl], tau)
-                          for sl in _chunks(self.source, x, C or self.lin.n_outputs(x))])
+        chunks = _chunks(self.source, x, C or self.lin.n_outputs(x))
+        if factors is None:
+            factors = (self.source.factors(x[sl]) for sl in chunks)
+        return self._psd([self._unit_chunk(f, None if phi_o is None else phi_o[sl], tau)
+                          for sl, f in zip(chunks, factors)])
+
+    def chunk_factors(self, x, n_outputs):
+        """The layer factors of ``x``, chunk by chunk (float64), for
+        :meth:`unit_covariance` at several ``tau`` without recomputing them.
+
+        Parameters
+        ----------
+        x : Tensor
+            Input batch.
+        n_outputs : int
+            ``C``.
+
+        Returns
+        -------
+        list of tuple
+        """
+        x = self.lin._input(x)
+        return [self.source.factors(x[sl]) for sl in _chunks(self.source, x, n_outputs)]
 
     @property
     def shares_rows(self) -> bool:

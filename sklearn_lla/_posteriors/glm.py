@@ -325,6 +325,7 @@ def validation_nll(payload, batches):
         check_finite_outputs(g, "validation rows")
         res = _residual_kernel(feats, W, x, phi) if residual is True else None
         outside = {}  # the KFAC complement per (mult, tau): Sigma = mult * unit(tau)
+        facs = None  # its layer factors at x, computed once for every tau
         psi = torch.einsum("bck,kl->bcl", phi, T)
         eps = None
         if mc:
@@ -339,7 +340,9 @@ def validation_nll(payload, batches):
                 s2k = None if np.isnan(s2s[k]) else float(s2s[k])
                 mult, tau = comp._key(float(s0s[k]), s2k)
                 if tau not in outside:
-                    outside[tau] = comp.unit_covariance(x, _orthonormal(phi, W), tau)
+                    if facs is None:
+                        facs = comp.chunk_factors(x, g.shape[1])
+                    outside[tau] = comp.unit_covariance(x, _orthonormal(phi, W), tau, facs)
                 cov = cov + mult * outside[tau]
             scores[k] -= float(liks[k].log_predictive(g, cov, y, eps=eps).sum())
     return scores, n
