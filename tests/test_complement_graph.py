@@ -539,3 +539,20 @@ def test_held_out_grid_reuses_the_factors(cnn_cases, monkeypatch):
     p1, p2 = once.posterior_.predict(Xq), each.posterior_.predict(Xq)
     np.testing.assert_allclose(p1.cov.numpy(), p2.cov.numpy(), rtol=1e-10,
                                atol=1e-10 * float(p2.cov.abs().max()))
+
+
+def test_shared_training_pass_on_dask_partitions(cnn_cases):
+    """The shared pass is a row-sum pass: on a dask ``X`` (dask's threaded scheduler,
+    several partitions in one process) it gives the in-memory fit's predictive."""
+    da = pytest.importorskip("dask.array")
+    X, y, Xt, net = cnn_cases["classification"]
+    module = copy.deepcopy(net.module_).double().eval()
+    kw = dict(device="cpu", n_nystrom=30, n_components=5, random_state=0)
+    ref = ELLAClassifier(module, **kw).fit(X.astype(np.float64), y)
+    est = ELLAClassifier(module, **kw).fit(da.from_array(X.astype(np.float64), chunks=20), y)
+    c1, c2 = est.posterior_.complement, ref.posterior_.complement
+    assert c1.ggn_trace == pytest.approx(c2.ggn_trace, rel=1e-10)
+    Xq = torch.as_tensor(Xt, dtype=torch.float64)
+    p1, p2 = est.posterior_.predict(Xq), ref.posterior_.predict(Xq)
+    np.testing.assert_allclose(p1.cov.numpy(), p2.cov.numpy(), rtol=1e-8,
+                               atol=1e-8 * float(p2.cov.abs().max()))

@@ -173,8 +173,8 @@ def kfac_and_rows_pass(payload, batches):
     Parameters
     ----------
     payload : tuple
-        ``(lin, likelihood, fn, state)``: ``state`` a list of row sums (float64
-        tensors, floats, ints) that ``fn`` adds to in place.
+        ``(lin, likelihood, fn, state)``: ``state`` the initial row sums (float64
+        tensors, floats, ints), copied, that ``fn`` adds to in place.
     batches : iterable of (x, y)
 
     Returns
@@ -183,6 +183,8 @@ def kfac_and_rows_pass(payload, batches):
         :func:`_kfac_pass`'s sums, then the entries of ``state``.
     """
     lin, lik, fn, state = payload
+    # a fresh copy: partitions run in one process must not add into one another's sums
+    state = [v.clone() if isinstance(v, torch.Tensor) else v for v in state]
     src = layer_factors(lin)
     mix = _mixer(lik)
     sums, C = _FactorSums(lin, src), None
@@ -428,7 +430,7 @@ class KFACComplement:
         """``Sigma_unit Q^T`` as tangents ``{name: (K, *shape)}`` in the network's dtype
         (cached per ``tau``): ``j^T Sigma_unit Q^T = J(x) (Sigma_unit Q^T)``, a product
         the rows give with the features'."""
-        cache = self._sq_cache
+        cache = self.__dict__.setdefault("_sq_cache", {})  # (absent when unpickled)
         if tau not in cache:
             _, _, U, Ud, _ = self._pieces(tau)
             K, out = len(self.Q), {}
