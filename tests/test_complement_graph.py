@@ -556,3 +556,25 @@ def test_shared_training_pass_on_dask_partitions(cnn_cases):
     p1, p2 = est.posterior_.predict(Xq), ref.posterior_.predict(Xq)
     np.testing.assert_allclose(p1.cov.numpy(), p2.cov.numpy(), rtol=1e-8,
                                atol=1e-8 * float(p2.cov.abs().max()))
+
+
+def test_subspace_residual_check_reads_the_complements_trace(cnn_cases, monkeypatch):
+    """Subspace Laplace's residual check needs ``tr GGN`` over the training rows: with
+    the KFAC complement it is the complement pass's exact trace (no pass of its own),
+    equal to the NTK-diagonal pass's (float64)."""
+    from sklearn_lla import SubspaceLaplaceClassifier
+    from sklearn_lla._posteriors import subspace
+
+    X, y, Xt, net = cnn_cases["classification"]
+    module = copy.deepcopy(net.module_).double().eval()
+    kw = dict(device="cpu", subspace_dim=5, random_state=0)
+    est = SubspaceLaplaceClassifier(module, **kw).fit(X.astype(np.float64), y)
+    assert est.residual_correction_ == "kfac"
+    post = est.posterior_
+    data = FitData(post.features.lin, Categorical(3), X.astype(np.float64), torch.as_tensor(y),
+                   batch_size=16)
+    tr = subspace._ggn_trace((post.features.lin, Categorical(3)), data.batches(16))[0]
+    assert post.complement.ggn_trace == pytest.approx(tr, rel=1e-10)
+    monkeypatch.setattr(subspace, "_ggn_trace", lambda *a: pytest.fail("a second pass"))
+    again = SubspaceLaplaceClassifier(module, **kw).fit(X.astype(np.float64), y)
+    assert again.residual_excess_ == pytest.approx(est.residual_excess_, rel=1e-12)
