@@ -392,3 +392,189 @@ def test_occam_term_on_a_cnn_is_the_complement_block_log_det(task, cnn_cases):
         fd = (comp.outside_log_det(s0 * np.exp(h), s2)[0]
               - comp.outside_log_det(s0 * np.exp(-h), s2)[0]) / (2 * h)
         assert d_prior == pytest.approx(fd, rel=1e-6)
+
+
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_shared_pass_equals_separate_passes(task, cnn_cases, monkeypatch):
+    """ELLA's predict on the graph backend takes the features ``J(x) V`` and the
+    complement's terms from one forward + backward pass per chunk: the same predictive
+    (float64, 1e-10) as the features and the complement computed apart, also when the
+    batch spans several chunks; the features equal the dense Jacobian's ``J V``."""
+    X, y, Xt, net = cnn_cases[task]
+    module = copy.deepcopy(net.module_).double().eval()
+    cls = ELLAClassifier if task == "classification" else ELLARegressor
+    est = cls(module, device="cpu", n_nystrom=30, n_components=5,
+              random_state=0).fit(X, y)
+    post = est.posterior_
+    comp = post.complement
+    assert comp is not None and comp.shares_rows
+    Xq = torch.as_tensor(np.vstack([Xt, 3.0 * X[:5]]))
+    called = []
+    orig = comp.features_and_covariance
+    monkeypatch.setattr(comp, "features_and_covariance",
+                        lambda *a: called.append(1) or orig(*a))
+    shared = post.predict(Xq)
+    assert called  # the shared path was taken
+    # several chunks of points: the chunk budget cut to 3 points
+    monkeypatch.setattr(comp.source, "step", lambda C: 3)
+    chunked = post.predict(Xq)
+    monkeypatch.setattr(type(comp), "shares_rows", property(lambda self: False))
+    apart = post.predict(Xq)
+    for got in (shared, chunked):
+        np.testing.assert_allclose(got.mean.numpy(), apart.mean.numpy(), rtol=1e-12,
+                                   atol=1e-12)
+        np.testing.assert_allclose(got.cov.numpy(), apart.cov.numpy(), rtol=1e-10,
+                                   atol=1e-10 * float(apart.cov.abs().max()))
+    rows = comp.source.rows_and_factors(comp.lin._input(Xq))[0]
+    _, phi = post.features.of_rows(rows)
+    V = comp.lin.unflatten(post.features.V.double()) if isinstance(
+        post.features.V, torch.Tensor) else post.features.V
+    from sklearn_lla._network.linearized import stack_flat
+
+    Vf = stack_flat({n: v.double() for n, v in V.items()}, comp.lin.names)
+    want = comp.lin.jacobian(Xq).double() @ Vf.T
+    np.testing.assert_allclose(phi.numpy(), want.numpy(), rtol=1e-10,
+                               atol=1e-10 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("kept", [0, 5])
+def test_float32_shared_pass_matches_float64(kept, cnn_cases):
+    """The shared pass rotates a float32 net's factors in float32 and takes
+    ``j^T Sigma Q^T`` from the float32 rows: still the float64 net's complement to 1e-3
+    (as the float64 pass on a float32 net, :func:`test_float32_net_matches_float64`)."""
+    from sklearn_lla._posteriors.glm import ProjectionFeatures
+
+    out = {}
+    gen = torch.Generator().manual_seed(1)
+    lin, *_ = _setup(cnn_cases["classification"])
+    Q = torch.linalg.qr(torch.randn(lin.n_params, max(kept, 1), generator=gen,
+                                    dtype=torch.float64))[0].T
+    for dt in (torch.float64, torch.float32):
+        lin, lik, data, _ = _setup(cnn_cases["classification"], dtype=dt)
+        comp = KFACComplement(lin, data, Q if kept else None)
+        Xq = torch.as_tensor(cnn_cases["classification"][2], dtype=dt)
+        feats = ProjectionFeatures(Q).fit(lin)
+        g, phi, cov = comp.features_and_covariance(Xq, feats, None, 1.0 / TAU, None)
+        if dt == torch.float64:
+            want = comp.covariance(Xq, phi if kept else None, 1.0 / TAU, None)
+            np.testing.assert_allclose(cov.numpy(), want.numpy(), rtol=1e-10,
+                                       atol=1e-10 * float(want.abs().max()))
+            np.testing.assert_allclose(phi.numpy(), (lin.jacobian(Xq) @ Q.T).numpy(),
+                                       rtol=1e-10, atol=1e-12)
+        out[dt] = cov.numpy()
+    ref = out[torch.float64]
+    np.testing.assert_allclose(out[torch.float32], ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_shared_training_pass_equals_separate_passes(task, cnn_cases, monkeypatch):
+    """ELLA's fit on the graph backend accumulates the features' GGN and the KFAC
+    factors from one pass over the training rows (the signals mixed by the likelihood's
+    curvature after the backward pass): the same factors, GGN trace, hyperparameters
+    and predictive (float64, 1e-10) as the two passes apart."""
+    from sklearn_lla._posteriors import glm
+    from sklearn_lla._posteriors.kfac_layers import GraphFactors
+
+    X, y, Xt, net = cnn_cases[task]
+    module = copy.deepcopy(net.module_).double().eval()
+    cls = ELLAClassifier if task == "classification" else ELLARegressor
+    calls = []
+    orig = glm.kfac_and_rows_pass
+    monkeypatch.setattr(glm, "kfac_and_rows_pass",
+                        lambda *a: calls.append(1) or orig(*a))
+    kw = dict(device="cpu", n_nystrom=30, n_components=5, random_state=0, batch_size=16)
+    shared = cls(module, **kw).fit(X, y)
+    assert calls
+    monkeypatch.setattr(GraphFactors, "shares_rows", False)
+    apart = cls(module, **kw).fit(X, y)
+    c1, c2 = shared.posterior_.complement, apart.posterior_.complement
+    assert c1.ggn_trace == pytest.approx(c2.ggn_trace, rel=1e-10)
+    for e1, e2 in zip(c1.eig, c2.eig):
+        for u, v in ((e1[0], e2[0]), (e1[2], e2[2])):  # the factors' eigenvalues
+            np.testing.assert_allclose(u.numpy(), v.numpy(), rtol=1e-10,
+                                       atol=1e-10 * float(v.abs().max()))
+    np.testing.assert_allclose(c1.diag.numpy(), c2.diag.numpy(), rtol=1e-10)
+    assert shared.prior_variance_ == pytest.approx(apart.prior_variance_, rel=1e-8)
+    Xq = torch.as_tensor(Xt)
+    p1, p2 = shared.posterior_.predict(Xq), apart.posterior_.predict(Xq)
+    np.testing.assert_allclose(p1.cov.numpy(), p2.cov.numpy(), rtol=1e-8,
+                               atol=1e-8 * float(p2.cov.abs().max()))
+
+
+@pytest.mark.parametrize("T,out,n_in", [(4, 3, 50), (9, 6, 2)])
+def test_block_trace_both_ways(T, out, n_in):
+    """The exact trace of a Kronecker block's rows: the Gram identity (first case) and
+    the formed blocks (second) against ``||sum_t d_t a_t^T||^2`` formed densely."""
+    from sklearn_lla._posteriors.complement import _block_trace
+
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(4, T, n_in, generator=gen, dtype=torch.float64)
+    d = torch.randn(4, 5, out, T, generator=gen, dtype=torch.float64)
+    want = float(torch.einsum("bkot,bti->bkoi", d, a).pow(2).sum())
+    assert _block_trace(a, d) == pytest.approx(want, rel=1e-12)
+
+
+def test_held_out_grid_reuses_the_factors(cnn_cases, monkeypatch):
+    """With ``validation_data`` the held-out NLL of each candidate prior variance needs
+    the complement at its own ``tau``: the layer factors of a validation batch are
+    computed once for all candidates, with the same choice and predictive as
+    recomputing them per candidate."""
+    X, y, Xt, net = cnn_cases["classification"]
+    module = copy.deepcopy(net.module_).double().eval()
+    kw = dict(device="cpu", n_nystrom=30, n_components=5, random_state=0,
+              hyper_strategy="validation")
+    calls, taus = [], []
+    orig_cf = KFACComplement.chunk_factors
+    orig_uc = KFACComplement.unit_covariance
+    monkeypatch.setattr(KFACComplement, "chunk_factors",
+                        lambda self, *a: calls.append(1) or orig_cf(self, *a))
+    monkeypatch.setattr(KFACComplement, "unit_covariance",
+                        lambda self, *a: taus.append(a[2]) or orig_uc(self, *a))
+    once = ELLAClassifier(module, **kw).fit(X[:45], y[:45], validation_data=(X[45:], y[45:]))
+    assert calls and len(set(taus)) > len(calls)  # several candidates per factors pass
+    monkeypatch.setattr(KFACComplement, "chunk_factors", lambda self, *a: None)
+    each = ELLAClassifier(module, **kw).fit(X[:45], y[:45], validation_data=(X[45:], y[45:]))
+    assert once.prior_variance_ == pytest.approx(each.prior_variance_, rel=1e-10)
+    Xq = torch.as_tensor(Xt)
+    p1, p2 = once.posterior_.predict(Xq), each.posterior_.predict(Xq)
+    np.testing.assert_allclose(p1.cov.numpy(), p2.cov.numpy(), rtol=1e-10,
+                               atol=1e-10 * float(p2.cov.abs().max()))
+
+
+def test_shared_training_pass_on_dask_partitions(cnn_cases):
+    """The shared pass is a row-sum pass: on a dask ``X`` (dask's threaded scheduler,
+    several partitions in one process) it gives the in-memory fit's predictive."""
+    da = pytest.importorskip("dask.array")
+    X, y, Xt, net = cnn_cases["classification"]
+    module = copy.deepcopy(net.module_).double().eval()
+    kw = dict(device="cpu", n_nystrom=30, n_components=5, random_state=0)
+    ref = ELLAClassifier(module, **kw).fit(X.astype(np.float64), y)
+    est = ELLAClassifier(module, **kw).fit(da.from_array(X.astype(np.float64), chunks=20), y)
+    c1, c2 = est.posterior_.complement, ref.posterior_.complement
+    assert c1.ggn_trace == pytest.approx(c2.ggn_trace, rel=1e-10)
+    Xq = torch.as_tensor(Xt, dtype=torch.float64)
+    p1, p2 = est.posterior_.predict(Xq), ref.posterior_.predict(Xq)
+    np.testing.assert_allclose(p1.cov.numpy(), p2.cov.numpy(), rtol=1e-8,
+                               atol=1e-8 * float(p2.cov.abs().max()))
+
+
+def test_subspace_residual_check_reads_the_complements_trace(cnn_cases, monkeypatch):
+    """Subspace Laplace's residual check needs ``tr GGN`` over the training rows: with
+    the KFAC complement it is the complement pass's exact trace (no pass of its own),
+    equal to the NTK-diagonal pass's (float64)."""
+    from sklearn_lla import SubspaceLaplaceClassifier
+    from sklearn_lla._posteriors import subspace
+
+    X, y, Xt, net = cnn_cases["classification"]
+    module = copy.deepcopy(net.module_).double().eval()
+    kw = dict(device="cpu", subspace_dim=5, random_state=0)
+    est = SubspaceLaplaceClassifier(module, **kw).fit(X.astype(np.float64), y)
+    assert est.residual_correction_ == "kfac"
+    post = est.posterior_
+    data = FitData(post.features.lin, Categorical(3), X.astype(np.float64), torch.as_tensor(y),
+                   batch_size=16)
+    tr = subspace._ggn_trace((post.features.lin, Categorical(3)), data.batches(16))[0]
+    assert post.complement.ggn_trace == pytest.approx(tr, rel=1e-10)
+    monkeypatch.setattr(subspace, "_ggn_trace", lambda *a: pytest.fail("a second pass"))
+    again = SubspaceLaplaceClassifier(module, **kw).fit(X.astype(np.float64), y)
+    assert again.residual_excess_ == pytest.approx(est.residual_excess_, rel=1e-12)

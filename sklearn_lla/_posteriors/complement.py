@@ -44,14 +44,21 @@ estimators fall back to the prior residual (see :func:`supports_kfac_complement`
 
 :class:`DiagonalComplement` is the complement VaLLA uses (``covariance=
 "subspace+diagonal"``): a diagonal posterior computed from Jacobian rows and the
-Nystrom residual the sparse GP has anyway, for any network (its section below).
+Nystrom residual the sparse GP has anyway, for any network (in
+:mod:`~sklearn_lla._posteriors.diagonal_complement`, re-exported here).
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
+# the diagonal complement (VaLLA) lives in its own module; its names are re-exported
+from .diagonal_complement import (
+    DiagonalComplement,
+    mixed_sq_colsum,
+    row_subset,
+    weighted_sq_norms,
+)
 from .kfac_layers import layer_factors, supports_layer_factors
 
 __all__ = ["KFACComplement", "supports_kfac_complement", "OUTSIDE_RTOL",
@@ -76,45 +83,121 @@ def _chunks(src, x, C):
     return [slice(s, s + step) for s in range(0, x.shape[0], step)]
 
 
+def _block_trace(a, d):
+    """``sum_b sum_k ||sum_t d_bkt abar_bt^T||_F^2`` of a Kronecker block's rows (the
+    exact GGN trace's share), by whichever is cheaper: forming the row blocks
+    (``out T in'`` per row) or the Gram identity ``sum_tt' (d_t . d_t')(abar_t .
+    abar_t') = sum_k d_k^T (abar abar^T) d_k`` (``T^2 out`` per row and ``T^2 in'`` per
+    point, one batched product per point)."""
+    b, K, o, T = d.shape
+    if T == 1:
+        return float((d[..., 0].pow(2).sum(-1) * a[:, None, 0].pow(2).sum(-1)).sum())
+    n_in = a.shape[-1]
+    if K * T * T * o + T * T * n_in < K * o * T * n_in:
+        Ga = a @ a.transpose(1, 2)  # (b, T, T)
+        dd = d.reshape(b, K * o, T)
+        return float((torch.bmm(dd, Ga) * dd).sum())
+    return float(torch.bmm(d.reshape(b, K * o, T), a).pow(2).sum())
+
+
+class _FactorSums:
+    """The row sums of the KFAC factors (module docstring) over chunks of points."""
+
+    def __init__(self, lin, src):
+        self.lin, self.src = lin, src
+        self.A = self.G = None
+        self.diag = torch.zeros(sum(lin.params[n].numel() for n in src.diag_names),
+                                dtype=_F64, device=lin.device)
+        self.n, self.tr = 0, 0.0
+
+    def add(self, facs, D, n_points, x):
+        """Add one chunk's float64 factors ``[(a, d) per block]`` and diagonal rows
+        (``x``: the chunk's inputs, for the blocks' shapes)."""
+        if self.A is None:
+            blocks = self.src.blocks(x)
+            dev = self.lin.device
+            self.A = [torch.zeros((b.n_in, b.n_in), dtype=_F64, device=dev) for b in blocks]
+            self.G = [torch.zeros((b.out, b.out), dtype=_F64, device=dev) for b in blocks]
+        for j, f in enumerate(facs):
+            if f is None:
+                continue
+            a, d = f  # (b, T, in'), (b, K, out, T)
+            T = a.shape[1]
+            af = a.reshape(-1, a.shape[-1])
+            self.A[j] += (af.T @ af) / T
+            df = d.transpose(2, 3).reshape(-1, d.shape[2])
+            self.G[j] += df.T @ df
+            self.tr += _block_trace(a, d)
+        if D is not None:
+            sq = D.pow(2).sum((0, 1))
+            self.diag += sq
+            self.tr += float(sq.sum())
+        self.n += int(n_points)
+
+    def result(self):
+        """``(A per block..., G per block..., diagonal GGN, n_points, tr GGN)``."""
+        return (*self.A, *self.G, self.diag, self.n, self.tr)
+
+
+def _mixer(lik):
+    """The likelihood's curvature factor as the rows' mixing (``None``: unit)."""
+    return None if lik.unit_curvature else (lambda g: lik.lam_factor(g).transpose(1, 2))
+
+
 def _kfac_pass(payload, batches):
     """Row sums of the KFAC factors: ``(sum_n mean_t abar abar^T per block..., G per
     block..., diagonal GGN, n_points, tr GGN)`` over ``batches`` (module docstring)."""
     lin, lik = payload
     src = layer_factors(lin)
-    mix = None if lik.unit_curvature else (lambda g: lik.lam_factor(g).transpose(1, 2))
-    A = G = None
-    diag = torch.zeros(sum(lin.params[n].numel() for n in src.diag_names), dtype=_F64,
-                       device=lin.device)
-    n, tr, C = 0, 0.0, None
+    mix = _mixer(lik)
+    sums, C = _FactorSums(lin, src), None
     for x, _ in batches:
         x = lin._input(x)
-        if A is None:
-            blocks = src.blocks(x)
-            A = [torch.zeros((b.n_in, b.n_in), dtype=_F64, device=lin.device) for b in blocks]
-            G = [torch.zeros((b.out, b.out), dtype=_F64, device=lin.device) for b in blocks]
+        if C is None:
             C = lin.n_outputs(x)
         for sl in _chunks(src, x, C):
             _, facs, D = src.factors(x[sl], mix)
-            for j, f in enumerate(facs):
-                if f is None:
-                    continue
-                a, d = f  # (b, T, in'), (b, K, out, T)
-                T = a.shape[1]
-                af = a.reshape(-1, a.shape[-1])
-                A[j] += (af.T @ af) / T
-                df = d.transpose(2, 3).reshape(-1, d.shape[2])
-                G[j] += df.T @ df
-                if T == 1:
-                    tr += float((d[..., 0].pow(2).sum(-1) * a[:, None, 0].pow(2).sum(-1)).sum())
-                else:  # the row blocks sum_t d_t abar_t^T, formed: (b, K, out, in')
-                    b_, K_, o_ = d.shape[:3]
-                    tr += float(torch.bmm(d.reshape(b_, K_ * o_, T), a).pow(2).sum())
-            if D is not None:
-                sq = D.pow(2).sum((0, 1))
-                diag += sq
-                tr += float(sq.sum())
-        n += x.shape[0]
-    return (*A, *G, diag, n, tr)
+            sums.add(facs, D, 0, x)
+        sums.n += x.shape[0]
+    return sums.result()
+
+
+def kfac_and_rows_pass(payload, batches):
+    """:func:`_kfac_pass` and a per-chunk function of the same rows, in one pass.
+
+    For layer factors that share the rows' pass (the graph backend): each chunk's
+    forward and backward pass gives the Jacobian rows (all outputs), passed to
+    ``fn(rows, x, y, state)``, and the KFAC factors (the rows' signals mixed by the
+    likelihood's curvature factor afterwards: the mixing is linear).
+
+    Parameters
+    ----------
+    payload : tuple
+        ``(lin, likelihood, fn, state)``: ``state`` the initial row sums (float64
+        tensors, floats, ints), copied, that ``fn`` adds to in place.
+    batches : iterable of (x, y)
+
+    Returns
+    -------
+    tuple
+        :func:`_kfac_pass`'s sums, then the entries of ``state``.
+    """
+    lin, lik, fn, state = payload
+    # a fresh copy: partitions run in one process must not add into one another's sums
+    state = [v.clone() if isinstance(v, torch.Tensor) else v for v in state]
+    src = layer_factors(lin)
+    mix = _mixer(lik)
+    sums, C = _FactorSums(lin, src), None
+    for x, y in batches:
+        x = lin._input(x)
+        if C is None:
+            C = lin.n_outputs(x[:1])
+        for sl in _chunks(src, x, C):
+            rows, (_, facs, D) = src.rows_and_factors(x[sl], mix, _F64)
+            fn(rows, x[sl], y[sl], state)
+            del rows
+            sums.add(facs, D, min(sl.stop, x.shape[0]) - sl.start, x)
+    return (*sums.result(), *state)
 
 
 class KFACComplement:
@@ -129,6 +212,9 @@ class KFACComplement:
     Q : Tensor of shape (K, P) or None
         Orthonormal rows spanning the kept directions (float64); ``None``: nothing
         kept (the KFAC Laplace predictive).
+    sums : tuple, optional
+        The factors' row sums over ``data`` already accumulated
+        (:func:`kfac_and_rows_pass`); default: one pass of their own.
 
     Attributes
     ----------
@@ -144,7 +230,7 @@ class KFACComplement:
         ``tr GGN`` (exact, unit noise) of all training rows.
     """
 
-    def __init__(self, lin, data, Q):
+    def __init__(self, lin, data, Q, sums=None):
         if not supports_kfac_complement(lin):
             raise ValueError("the KFAC complement needs the structured or graph Jacobian "
                              "backend")
@@ -152,7 +238,7 @@ class KFACComplement:
         self.source = layer_factors(lin)
         self.regression = data.likelihood.task == "regression"
         bs = min(data.batch_size, 1024)
-        out = data.reduce(_kfac_pass, (lin, data.likelihood), bs)
+        out = data.reduce(_kfac_pass, (lin, data.likelihood), bs) if sums is None else sums
         self.blocks = self.source.blocks(lin._input(data.rows(slice(0, 1))[0]))
         self.diag_names = list(self.source.diag_names)
         L = len(self.blocks)
@@ -166,7 +252,7 @@ class KFACComplement:
             self.eig.append((lg.clamp_min(0.0), Ug, la.clamp_min(0.0), Ua))
         self.diag = out[2 * L].clamp_min(0.0)
         self.Q = None if Q is None or len(Q) == 0 else Q.to(_F64)
-        self._cache, self._rot = {}, None
+        self._cache, self._sq_cache, self._rot = {}, {}, None
         self.scale, self.fraction, self.outside_fraction = 1.0, 1.0, None
 
     # ---------------------------------------------------------------- algebra
@@ -228,7 +314,7 @@ class KFACComplement:
         outside = total - float(inside_trace)
         self.outside_fraction = max(outside, 0.0) / total if total > 0 else 0.0
         self.scale = 1.0 if self.outside_fraction > OUTSIDE_RTOL else 0.0
-        self._cache = {}
+        self._cache, self._sq_cache = {}, {}
         return self.scale
 
     # ---------------------------------------------------------------- evidence
@@ -333,17 +419,58 @@ class KFACComplement:
         return self._cache[tau]
 
     # ---------------------------------------------------------------- prediction
-    def _terms(self, x, tau, joint):
-        """``(j^T Sigma_unit j, j^T Sigma_unit Q^T)`` at ``x``: per point ``(B, C, C)``
-        (``joint``: between all rows, ``(B C, B C)``) and ``(B, C, K)`` (or ``None``)."""
+    def _eig_as(self, dtype):
+        """The factors' eigenbases ``[(U_G, U_A)]`` in ``dtype`` (cached)."""
+        cache = self.__dict__.setdefault("_eig_dtype", {})
+        if dtype not in cache:
+            cache[dtype] = [(Ug.to(dtype), Ua.to(dtype)) for _, Ug, _, Ua in self.eig]
+        return cache[dtype]
+
+    def _sigma_q(self, tau):
+        """``Sigma_unit Q^T`` as tangents ``{name: (K, *shape)}`` in the network's dtype
+        (cached per ``tau``): ``j^T Sigma_unit Q^T = J(x) (Sigma_unit Q^T)``, a product
+        the rows give with the features'."""
+        cache = self.__dict__.setdefault("_sq_cache", {})  # (absent when unpickled)
+        if tau not in cache:
+            _, _, U, Ud, _ = self._pieces(tau)
+            K, out = len(self.Q), {}
+            for blk, (_, Ug, _, Ua), Yw in zip(self.blocks, self.eig, U):
+                M = Ug @ Yw @ Ua.T  # (K, out, in'): back from the eigenbases
+                if blk.weight_name is not None:
+                    n_w = blk.n_in - (blk.bias_name is not None)
+                    out[blk.weight_name] = M[..., :n_w].reshape(K, *blk.weight_shape)
+                if blk.bias_name is not None:
+                    out[blk.bias_name] = M[..., -1]
+            start = 0
+            for n in self.diag_names:
+                size = self.lin.params[n].numel()
+                out[n] = Ud[:, start:start + size].reshape(K, *self.lin.params[n].shape)
+                start += size
+            if len(cache) > 64:
+                cache.clear()
+            cache[tau] = {n: out[n].to(self.lin.dtype) for n in self.lin.names}
+        return cache[tau]
+
+    def _terms(self, factors, tau, joint, cross=True):
+        """``(j^T Sigma_unit j, j^T Sigma_unit Q^T)`` from the layer factors of a batch
+        (:meth:`~sklearn_lla._posteriors.kfac_layers.GraphFactors.factors`): per point
+        ``(B, C, C)`` (``joint``: between all rows, ``(B C, B C)``) and ``(B, C, K)``
+        (or ``None``; also without ``cross``). The rotations into the eigenbases are
+        done in the factors' dtype (float64, or the network's for a prediction), the
+        sums over the blocks in float64."""
         W, wd, U, Ud, _ = self._pieces(tau)
-        _, facs, D = self.source.factors(x)
+        if not cross:
+            U = Ud = None
+        _, facs, D = factors
         B, C = (facs[0][1].shape[:2] if facs and facs[0] is not None else D.shape[:2])
+        dt_ = next((f[0].dtype for f in facs if f is not None), _F64 if D is None else D.dtype)
+        eig = self._eig_as(dt_)
+        W = [w.to(dt_) for w in W]
         quad = torch.zeros((B * C, B * C) if joint else (B, C, C), dtype=_F64,
                            device=self.lin.device)
         JU = None if U is None else torch.zeros((B, C, len(self.Q)), dtype=_F64,
                                                 device=self.lin.device)
-        for j, (f, (_, Ug, _, Ua), w) in enumerate(zip(facs, self.eig, W)):
+        for j, (f, (Ug, Ua), w) in enumerate(zip(facs, eig, W)):
             if f is None:
                 continue
             a, d = f
@@ -372,6 +499,7 @@ class KFACComplement:
             if JU is not None:
                 JU += Z @ U[j].reshape(len(U[j]), -1).T
         if D is not None:
+            D = D.to(_F64)
             if joint:
                 Ds = D.reshape(B * C, -1) * wd.sqrt()
                 quad += Ds @ Ds.T
@@ -400,19 +528,106 @@ class KFACComplement:
         mult, tau = self._key(s0, s2)
         return mult * self.unit_covariance(x, phi_o, tau)
 
-    def unit_covariance(self, x, phi_o, tau):
-        """:meth:`covariance` of ``Sigma_unit = (H_unit + tau I)^-1`` (``mult = 1``)."""
-        QSQ = self._pieces(tau)[4]
+    def unit_covariance(self, x, phi_o, tau, factors=None):
+        """:meth:`covariance` of ``Sigma_unit = (H_unit + tau I)^-1`` (``mult = 1``);
+        ``factors``: :meth:`chunk_factors` of ``x`` (for several ``tau``)."""
         x = self.lin._input(x)
-        parts = []
         C = None if phi_o is None else phi_o.shape[1]
-        for sl in _chunks(self.source, x, C or self.lin.n_outputs(x)):
-            cov, JU = self._terms(x[sl], tau, joint=False)
-            if JU is not None:
-                P = phi_o[sl].to(_F64)
-                cross = P @ JU.transpose(1, 2)
-                cov = cov - cross - cross.transpose(1, 2) + P @ QSQ @ P.transpose(1, 2)
-            parts.append(cov)
+        chunks = _chunks(self.source, x, C or self.lin.n_outputs(x))
+        if factors is None:
+            factors = (self.source.factors(x[sl]) for sl in chunks)
+        return self._psd([self._unit_chunk(f, None if phi_o is None else phi_o[sl], tau)
+                          for sl, f in zip(chunks, factors)])
+
+    def chunk_factors(self, x, n_outputs):
+        """The layer factors of ``x``, chunk by chunk (float64), for
+        :meth:`unit_covariance` at several ``tau`` without recomputing them.
+
+        Parameters
+        ----------
+        x : Tensor
+            Input batch.
+        n_outputs : int
+            ``C``.
+
+        Returns
+        -------
+        list of tuple
+        """
+        x = self.lin._input(x)
+        return [self.source.factors(x[sl]) for sl in _chunks(self.source, x, n_outputs)]
+
+    @property
+    def shares_rows(self) -> bool:
+        """Whether :meth:`features_and_covariance` shares the Jacobian's pass between
+        the features and the complement (the graph backend's layer factors)."""
+        return bool(getattr(self.source, "shares_rows", False))
+
+    def features_and_covariance(self, x, features, W, s0, s2):
+        """The features of a batch and :meth:`covariance` there, from one forward and
+        one backward pass per chunk of points (:attr:`shares_rows`).
+
+        The rows that give ``phi(x) = J(x) V`` are contracted from the same layer
+        signals (inputs and back-propagated signals) as the complement's KFAC terms,
+        so the pass is done once.
+
+        Parameters
+        ----------
+        x : Tensor
+            Input batch.
+        features : Features
+            The posterior's features (:meth:`~sklearn_lla._posteriors.glm.Features.
+            of_rows`).
+        W : Tensor of shape (K, K) or None
+            The map of ``phi`` to the kept orthonormal coordinates (``None``: they are).
+        s0, s2 : float
+            Prior variance and noise variance (``None`` for classification).
+
+        Returns
+        -------
+        g : Tensor of shape (B, C)
+            The outputs, float64.
+        phi : Tensor of shape (B, C, K)
+            The features, float64.
+        cov : Tensor of shape (B, C, C)
+            ``j_perp^T Sigma j_perp`` per point, float64.
+        """
+        if not self.shares_rows:
+            raise ValueError("these layer factors do not share the rows' pass")
+        mult, tau = self._key(s0, s2)
+        x = self.lin._input(x)
+        gs, phis, covs = [], [], []
+        C = getattr(self, "_n_out", None) or self.lin.n_outputs(x[:1])
+        self._n_out = C
+        SQ = None if self.Q is None else self._sigma_q(tau)
+        for sl in _chunks(self.source, x, C):
+            rows, facs = self.source.rows_and_factors(x[sl])
+            # the features and j^T Sigma Q^T by one product of the rows
+            g, phi, *JU = features.of_rows(rows, SQ)
+            del rows
+            gs.append(g)
+            phis.append(phi)
+            cov = self._terms(facs, tau, joint=False, cross=False)[0]
+            covs.append(self._with_cross(cov, JU[0].to(_F64) if JU else None,
+                                         phi if W is None else phi @ W, tau))
+        return torch.cat(gs), torch.cat(phis), mult * self._psd(covs)
+
+    def _unit_chunk(self, factors, phi_o, tau):
+        """``j_perp^T Sigma_unit j_perp`` of one chunk of points (before :meth:`_psd`)."""
+        return self._with_cross(*self._terms(factors, tau, joint=False), phi_o, tau)
+
+    def _with_cross(self, cov, JU, phi_o, tau):
+        """``j^T Sigma j - 2 phi (Q Sigma j) + phi (Q Sigma Q^T) phi^T`` per point."""
+        if JU is not None:
+            QSQ = self._pieces(tau)[4]
+            P = phi_o.to(_F64)
+            cross = P @ JU.transpose(1, 2)
+            cov = cov - cross - cross.transpose(1, 2) + P @ QSQ @ P.transpose(1, 2)
+        return cov
+
+    @staticmethod
+    def _psd(parts):
+        """The chunks' blocks, symmetrised and projected on the PSD cone."""
         cov = torch.cat(parts)
         cov = 0.5 * (cov + cov.transpose(1, 2))
         if cov.shape[-1] == 1:
@@ -424,7 +639,7 @@ class KFACComplement:
         """The joint ``(B C, B C)`` covariance of ``j_perp^T Sigma j_perp`` across points."""
         mult, tau = self._key(s0, s2)
         QSQ = self._pieces(tau)[4]
-        cov, JU = self._terms(self.lin._input(x), tau, joint=True)
+        cov, JU = self._terms(self.source.factors(self.lin._input(x)), tau, joint=True)
         if JU is not None:
             B, C = JU.shape[:2]
             JU = JU.reshape(B * C, -1)
@@ -432,281 +647,3 @@ class KFACComplement:
             cross = P @ JU.T
             cov = cov - cross - cross.T + P @ QSQ @ P.T
         return 0.5 * (cov + cov.T) * mult
-
-
-# --------------------------------------------------------------------------------------
-# The diagonal complement (VaLLA)
-# --------------------------------------------------------------------------------------
-#
-# A diagonal posterior for the parameter directions a low-rank method does not keep.
-#
-# Methods that keep a subspace of the parameters (VaLLA's span of the inducing pairs'
-# Jacobian rows) treat the rest in one of two extreme ways: as the prior (VaLLA's
-# ``"full"`` covariance: variance ``s0^2`` in every direction the span misses, also
-# those the data determine, so the predictive is far too wide in distribution when the
-# data determine more directions than the span holds), or as nothing (``"subspace"``:
-# no variance outside the span, so off the data, where the network's Jacobian leaves
-# it, the predictive keeps a small fraction of LLA's). LLA's own posterior is in
-# between: the complement's directions have the precision ``1 / s0^2`` plus whatever
-# curvature the data put on them.
-#
-# :class:`DiagonalComplement` gives the complement that posterior, diagonal in the
-# parameters. With ``Pi`` the projector onto the complement, ``r = Pi J^T`` the part of
-# a Jacobian row outside the span and ``Lam_n`` the likelihood's curvature,
-#
-#     ``D = diag(sum_n Pi J_n^T Lam_n J_n Pi) + 1 / s0^2``,   ``S_perp(x) = r(x)^T D^-1 r(x)``.
-#
-# Both are evaluated with a row's outside fraction instead of its projected entries,
-# which would cost ``O(P K)`` per row against a span of ``K`` directions:
-#
-# * the squared entries of ``r_n`` are taken as those of ``J_n`` times
-#   ``rho_n = |r_n|^2 / |J_n|^2``, so ``D`` is the diagonal GGN with ``Lam_n`` scaled
-#   by ``rho_n^(1/2) Lam_n rho_n^(1/2)`` (``O(P)`` per row);
-# * ``S_perp(x) = w(x)^(1/2) R(x) w(x)^(1/2)``, ``R(x) = (Pi J^T)^T (Pi J^T)`` the prior
-#   residual of the span (for a Nystrom span, ``(K - Q) / s0^2`` from the kernel
-#   matrices the method has anyway) and ``w_c(x) = J_c D^-1 J_c^T / J_c J_c^T``, the
-#   mean inverse precision along output ``c``'s row (``O(P)`` per point and output).
-#
-# Two limits make it the right interpolation. When the span contains every training
-# row's Jacobian (inducing pairs at every training row and output), ``rho_n = 0``,
-# ``D = I / s0^2`` and ``S_perp = R`` times ``s0^2`` is exactly what LLA's posterior
-# has outside that span (no data constrain those directions): the method is exact
-# LLA. A direction no residual row touches keeps the prior variance, and one the data
-# pin down gets at most the inverse of their curvature. The complement is independent
-# of the span (no cross covariance), as in a mean-field posterior over the two blocks.
-#
-# On the 1-D gap problem at ``M = 20`` inducing pairs and on friedman1 at ``M = 100,
-# 300``, against exact LLA at its own hyperparameters: mean epistemic variance 0.80-1.10
-# x exact's in and under shift, rank correlation 0.87-0.98 (``"subspace"``: 0.04-0.23 x,
-# ``"full"``: 1.3-6.3 x); ``docs/valla.md``.
-#
-# All the algebra is float64 whatever the network's dtype; nothing here holds more than
-# one batch of Jacobian rows.
-
-#: Most training rows read to estimate the complement's curvature (scaled to ``N``).
-MAX_ROWS = 2000
-
-
-def weighted_sq_norms(lin, x, weights: torch.Tensor) -> torch.Tensor:
-    """``sum_p J_c(x)_p^2 w_kp`` per point, output and weight vector, (B, C, K), float64.
-
-    By the rows' own :meth:`~sklearn_lla._network.backends.base.Rows.weighted_sq_norms`
-    (per-layer factors never form a row: for a linear layer, ``sum_oi delta_o^2 W_oi
-    a_i^2 = (delta^2)^T W (a^2)``); the rows at ``x`` are computed once for all ``K``
-    vectors.
-
-    Parameters
-    ----------
-    lin : LinearizedNet
-        The network.
-    x : Tensor of shape (B, ...)
-        Inputs.
-    weights : Tensor of shape (K, P)
-        ``K`` vectors ``w`` over the linearised parameters.
-
-    Returns
-    -------
-    Tensor of shape (B, C, K)
-    """
-    with torch.no_grad():
-        rows = lin.rows(x)
-        out = rows.weighted_sq_norms(lin.unflatten(weights.to(_F64)))
-        return out.view(rows.n_points, rows.rows_per_point, -1)
-
-
-def mixed_sq_colsum(lin, x, M: torch.Tensor) -> torch.Tensor:
-    """``sum_b sum_j (sum_c M_bjc J_c(x_b))_p^2`` per parameter, shape (P,), float64.
-
-    The diagonal of ``sum_b J_b^T M_b^T M_b J_b``: with ``M_b M_b^T``-type factors of a
-    curvature, a diagonal GGN. By the rows' own
-    :meth:`~sklearn_lla._network.backends.base.Rows.mixed_sq_colsum` (mixing a point's
-    factored rows mixes only their ``delta``).
-
-    Parameters
-    ----------
-    lin : LinearizedNet
-        The network.
-    x : Tensor of shape (B, ...)
-        Inputs.
-    M : Tensor of shape (B, K, C)
-        The per-point mixing of the outputs' rows.
-
-    Returns
-    -------
-    Tensor of shape (P,)
-    """
-    from .._network.linearized import stack_flat
-
-    with torch.no_grad():
-        parts = lin.rows(x).mixed_sq_colsum(M)
-        return stack_flat({n: v[None] for n, v in parts.items()}, lin.names)[0]
-
-
-class DiagonalComplement:
-    """The diagonal posterior of the directions outside a kept span (module docstring).
-
-    Parameters
-    ----------
-    prior_variance : float
-        ``s0^2``.
-    n_parameters : int
-        ``P``.
-    device : torch.device or str, default="cpu"
-        Where the precision lives.
-
-    Attributes
-    ----------
-    curvature : Tensor of shape (P,)
-        ``diag(sum_n Pi J_n^T Lam_n J_n Pi)`` (float64), scaled to all training rows.
-    precision : Tensor of shape (P,)
-        ``D``: the curvature plus ``1 / s0^2``.
-    n_rows : int
-        Training rows the curvature was estimated on.
-
-    Examples
-    --------
-    No data: the complement keeps the prior, ``S_perp = s0^2 R``.
-
-    >>> import torch
-    >>> from sklearn_lla._posteriors.complement import DiagonalComplement
-    >>> comp = DiagonalComplement(0.5, 3).finish(n_rows=0, n_total=0)
-    >>> w = comp.precision.new_full((1, 1), 1.0 / float(comp.precision[0]))  # (B, C)
-    >>> R = torch.tensor([[[4.0]]], dtype=torch.float64)  # the span's residual
-    >>> round(float(comp.blocks(w, R)[0, 0, 0]), 12)
-    2.0
-    """
-
-    def __init__(self, prior_variance: float, n_parameters: int, device="cpu"):
-        self.prior_variance = float(prior_variance)
-        self.curvature = torch.zeros(int(n_parameters), dtype=_F64, device=device)
-        self.n_rows = 0
-
-    def add_rows(self, lin, x, outside: torch.Tensor, lam_factor: torch.Tensor):
-        """Accumulate a batch of training rows' curvature (factored where it can be).
-
-        Parameters
-        ----------
-        lin : LinearizedNet
-            The network.
-        x : Tensor of shape (B, ...)
-            A batch of training inputs.
-        outside : Tensor of shape (B, C)
-            ``rho``: the fraction of each row's squared norm outside the span, in [0, 1].
-        lam_factor : Tensor of shape (B, C, C)
-            ``A`` with ``A A^T = Lam`` (the likelihood's curvature at the network's
-            outputs).
-
-        Returns
-        -------
-        self
-        """
-        s = torch.sqrt(torch.clamp(outside.to(_F64), 0.0, 1.0))
-        M = lam_factor.to(_F64).transpose(1, 2) * s[:, None, :]  # (B, C, C): A^T diag(s)
-        self.curvature += mixed_sq_colsum(lin, x, M).to(self.curvature.device)
-        self.n_rows += int(x.shape[0])
-        return self
-
-    def finish(self, n_rows: int, n_total: int):
-        """Scale the curvature of ``n_rows`` rows to ``n_total`` and form ``D``.
-
-        Parameters
-        ----------
-        n_rows : int
-            Rows accumulated by :meth:`add`.
-        n_total : int
-            ``N``, the training rows they stand for.
-
-        Returns
-        -------
-        self
-        """
-        if n_rows > 0:
-            self.curvature = self.curvature * (float(n_total) / n_rows)
-        self.n_rows = int(n_rows)
-        self.precision = self.curvature + 1.0 / self.prior_variance
-        return self
-
-    def inverse_precision(self, lin, x) -> torch.Tensor:
-        """``w_c = J_c D^-1 J_c^T / J_c J_c^T`` per point and output, shape (B, C).
-
-        From the network's rows at ``x`` (factored where it can, see
-        :func:`weighted_sq_norms`).
-
-        Parameters
-        ----------
-        lin : LinearizedNet
-            The network.
-        x : Tensor of shape (B, ...)
-            Inputs.
-
-        Returns
-        -------
-        Tensor of shape (B, C)
-            In ``(0, s0^2]``; ``s0^2`` for a zero row.
-        """
-        both = torch.stack([1.0 / self.precision, torch.ones_like(self.precision)])
-        nd = weighted_sq_norms(lin, x, both)
-        num, den = nd[..., 0], nd[..., 1]
-        return torch.where(den > 0, num / torch.where(den > 0, den, 1.0),
-                           torch.full_like(den, self.prior_variance))
-
-    def blocks(self, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """``S_perp(x) = w^(1/2) R w^(1/2)`` per point, shape (B, C, C), float64.
-
-        Parameters
-        ----------
-        w : Tensor of shape (B, C)
-            :meth:`inverse_precision` at the points.
-        residual : Tensor of shape (B, C, C)
-            ``R``: the prior residual ``(Pi J^T)^T (Pi J^T)`` per point (unscaled by
-            ``s0^2``).
-
-        Returns
-        -------
-        Tensor of shape (B, C, C)
-        """
-        s = torch.sqrt(w.to(_F64))
-        return s[:, :, None] * residual.to(_F64) * s[:, None, :]
-
-    def joint(self, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """``S_perp`` between every output of every point, shape (B C, B C).
-
-        Parameters
-        ----------
-        w : Tensor of shape (B, C)
-            :meth:`inverse_precision` at the points.
-        residual : Tensor of shape (B C, B C)
-            The prior residual between every pair (unscaled by ``s0^2``).
-
-        Returns
-        -------
-        Tensor of shape (B C, B C)
-        """
-        s = torch.sqrt(w.to(_F64)).reshape(-1)
-        return s[:, None] * residual.to(_F64) * s[None, :]
-
-    def trace(self) -> dict:
-        """A summary for ``hyper_trace``: rows read and the precision's spread."""
-        ratio = self.precision * self.prior_variance
-        return {"rows": self.n_rows, "precision_ratio_median": float(ratio.median()),
-                "precision_ratio_max": float(ratio.max())}
-
-
-def row_subset(n_total: int, seed: int, max_rows: int = MAX_ROWS) -> np.ndarray:
-    """A seeded, sorted subset of at most ``max_rows`` of ``n_total`` row indices.
-
-    Parameters
-    ----------
-    n_total : int
-        ``N``.
-    seed : int
-        The subset's seed.
-    max_rows : int, default=MAX_ROWS
-        Its largest size.
-
-    Returns
-    -------
-    ndarray of int
-    """
-    n = int(min(n_total, max_rows))
-    return np.sort(np.random.default_rng(seed).permutation(n_total)[:n])

@@ -200,6 +200,11 @@ class NystromFeatures(Features):
         self.n_outside = 0
         return self
 
+    @property
+    def tangents(self):
+        """The Nystrom basis ``V`` (:meth:`Features.of_rows`)."""
+        return self.V
+
     def __call__(self, x):
         g, phi = self.lin.jvp(x, self.V)
         return g.double(), phi.double()

@@ -25,6 +25,7 @@ early stopping ended the stream early). Hyperparameter strategies
 from __future__ import annotations
 
 import abc
+import functools
 import warnings
 from dataclasses import replace
 
@@ -44,7 +45,8 @@ from .._core.protocol import (
     validation_residuals,
 )
 from .._network.linearized import stack_flat
-from .complement import KFACComplement, supports_kfac_complement
+from .complement import KFACComplement, kfac_and_rows_pass, supports_kfac_complement
+from .kfac_layers import layer_factors
 
 __all__ = ["Features", "JacobianFeatures", "ProjectionFeatures", "GLMPosterior"]
 
@@ -89,6 +91,43 @@ class Features(abc.ABC):
         """``(g, phi, ntk_diag(x))``; subclasses share the work on ``x`` where they can."""
         g, phi = self(x)
         return g, phi, self.ntk_diag(x)
+
+    #: The directions ``V`` as tangents (``{name: (K, *shape)}`` or ``(K, P)``) for
+    #: :meth:`of_rows`; ``None``: the features are not ``J(x) V`` for a stored ``V``.
+    tangents = None
+
+    def of_rows(self, rows, extra=None):
+        """``(g, phi)`` from Jacobian rows already computed at the batch (all outputs).
+
+        Parameters
+        ----------
+        rows : Rows
+            The rows of a batch (with their ``output``), e.g. those the KFAC
+            complement's terms are computed from
+            (:meth:`~sklearn_lla._posteriors.complement.KFACComplement.
+            features_and_covariance`).
+        extra : dict of str to Tensor of shape (L, *param_shape), optional
+            More directions ``U``, multiplied in the same product.
+
+        Returns
+        -------
+        g : Tensor of shape (B, C)
+        phi : Tensor of shape (B, C, K)
+            Both float64, equal to ``self(x)``.
+        ju : Tensor of shape (B, C, L)
+            ``J(x) U^T`` in the network's dtype (only with ``extra``).
+        """
+        if self.tangents is None:
+            raise NotImplementedError(f"{type(self).__name__} has no stored directions")
+        T = self.lin._tangents(self.tangents)
+        K = next(iter(T.values())).shape[0]
+        if extra is not None:
+            T = {n: torch.cat([T[n], extra[n].to(T[n].dtype)]) for n in T}
+        B, C = rows.output.shape
+        with torch.no_grad():
+            prod = rows.matmul(T).view(B, C, -1)
+        g, phi = rows.output.double(), prod[..., :K].double()
+        return (g, phi) if extra is None else (g, phi, prod[..., K:])
 
 
 class JacobianFeatures(Features):
@@ -143,6 +182,11 @@ class ProjectionFeatures(Features):
         self.n_outside = lin.n_params - self.dim
         return self
 
+    @property
+    def tangents(self):
+        """The directions ``V`` (:meth:`Features.of_rows`)."""
+        return self._tangents
+
     def __call__(self, x):
         g, phi = self.lin.jvp(x, self._tangents)
         return g.double(), phi.double()
@@ -160,9 +204,10 @@ def phi_lam(lik, g, phi):
     return torch.einsum("bck,bcl->bkl", lik.lam_factor(g), phi)
 
 
-def _accumulate_batch(feats, lik, G, x, y):
-    """Add one batch's ``phi^T Lam phi`` to ``G``; returns (fit statistic, rows)."""
-    g, phi = feats(x)
+def _accumulate_batch(feats, lik, G, x, y, gphi=None):
+    """Add one batch's ``phi^T Lam phi`` to ``G``; returns (fit statistic, rows).
+    ``gphi``: the batch's ``(g, phi)`` when already computed."""
+    g, phi = feats(x) if gphi is None else gphi
     check_finite_outputs(g, "training rows")
     P = phi_lam(lik, g, phi)
     if P.ndim == 3:
@@ -199,6 +244,15 @@ def ggn_statistics(payload, batches):
         fit_stat += df
         n += b
     return G, fit_stat, n
+
+
+def _ggn_of_rows(feats, lik, rows, x, y, state):
+    """:func:`ggn_statistics`'s sums ``state = [G, fit statistic, n_rows]`` of a chunk
+    from its Jacobian rows (the pass the KFAC complement's factors share,
+    :func:`~sklearn_lla._posteriors.complement.kfac_and_rows_pass`)."""
+    df, b = _accumulate_batch(feats, lik, state[0], x, y, feats.of_rows(rows))
+    state[1] += df
+    state[2] += b
 
 
 def _batch_ggn_trace(feats, lik, x):
@@ -271,6 +325,7 @@ def validation_nll(payload, batches):
         check_finite_outputs(g, "validation rows")
         res = _residual_kernel(feats, W, x, phi) if residual is True else None
         outside = {}  # the KFAC complement per (mult, tau): Sigma = mult * unit(tau)
+        facs = None  # its layer factors at x, computed once for every tau
         psi = torch.einsum("bck,kl->bcl", phi, T)
         eps = None
         if mc:
@@ -285,7 +340,9 @@ def validation_nll(payload, batches):
                 s2k = None if np.isnan(s2s[k]) else float(s2s[k])
                 mult, tau = comp._key(float(s0s[k]), s2k)
                 if tau not in outside:
-                    outside[tau] = comp.unit_covariance(x, _orthonormal(phi, W), tau)
+                    if facs is None:
+                        facs = comp.chunk_factors(x, g.shape[1])
+                    outside[tau] = comp.unit_covariance(x, _orthonormal(phi, W), tau, facs)
                 cov = cov + mult * outside[tau]
             scores[k] -= float(liks[k].log_predictive(g, cov, y, eps=eps).sum())
     return scores, n
@@ -437,14 +494,27 @@ class GLMPosterior(Posterior):
         self.history = []
         self._W = self._whiten_map()
         self.complement = None
+        shared = None
         if self.residual_correction == "kfac":
-            if supports_kfac_complement(data.lin):
-                self.complement = KFACComplement(data.lin, data, self._kept_rows())
-            else:
+            if not supports_kfac_complement(data.lin):
                 self.residual_correction = False
+            elif (not self.early_stopping and feats.tangents is not None
+                  and getattr(layer_factors(data.lin), "shares_rows", False)):
+                # one pass over the training rows: the GGN of the features and the
+                # complement's KFAC factors from the same rows (graph backend)
+                state = [torch.zeros((K, K), dtype=torch.float64, device=data.device), 0.0, 0]
+                shared = data.reduce(kfac_and_rows_pass, (
+                    data.lin, lik, functools.partial(_ggn_of_rows, feats, lik), state),
+                    bs, desc=f"{self.label}: accumulating the GGN and the KFAC factors")
+                self.complement = KFACComplement(data.lin, data, self._kept_rows(),
+                                                 sums=shared[:-3])
+            else:
+                self.complement = KFACComplement(data.lin, data, self._kept_rows())
         self._mc_seed = mc_seed(lik, data.generator)
         desc = f"{self.label}: accumulating the GGN"
-        if not self.early_stopping:  # one row-sum pass (per partition on dask input)
+        if shared is not None:
+            G, fit_stat, n_seen = shared[-3:]
+        elif not self.early_stopping:  # one row-sum pass (per partition on dask input)
             G, fit_stat, n_seen = data.reduce(ggn_statistics, (feats, lik, data.device), bs,
                                               desc=desc)
         else:
@@ -658,13 +728,21 @@ class GLMPosterior(Posterior):
 
     def predict(self, x):
         """Latent predictive ``N(g(x), phi T diag(d) T^T phi^T)`` at a batch ``x``."""
+        outside = None
         if self.complement is None and self.residual_correction:
             g, phi, kdiag = self.features.with_ntk_diag(x)
+        elif (self.complement is not None and self.complement.shares_rows
+              and self.features.tangents is not None):
+            # one forward + backward pass for the features and the complement's terms
+            g, phi, outside = self.complement.features_and_covariance(
+                x, self.features, self._W, self.prior_variance, self._noise())
         else:
             (g, phi), kdiag = self.features(x), None
         psi = phi @ self.T
         cov = torch.einsum("bck,k,bdk->bcd", psi, self.d, psi)
-        if self.complement is not None:
+        if outside is not None:
+            cov = cov + outside
+        elif self.complement is not None:
             cov = cov + self.complement.covariance(x, _orthonormal(phi, self._W),
                                                    self.prior_variance, self._noise())
         elif self.residual_correction:

@@ -78,10 +78,10 @@ class KronBlock:
 
 
 def _with_bias(a: Tensor, weight: bool, bias: bool) -> Tensor:
-    """``[a, 1]`` / ``a`` / ``1`` along the last dimension (float64)."""
+    """``[a, 1]`` / ``a`` / ``1`` along the last dimension (``a``'s dtype)."""
     parts = [a] if weight else []
     if bias:
-        parts.append(torch.ones(a.shape[:-1] + (1,), dtype=_F64, device=a.device))
+        parts.append(torch.ones(a.shape[:-1] + (1,), dtype=a.dtype, device=a.device))
     return torch.cat(parts, dim=-1)
 
 
@@ -101,6 +101,10 @@ class ChainFactors:
     lin : LinearizedNet
         A network with ``backend == "structured"``.
     """
+
+    #: The chain's features come from its own forward-mode products, cheaper than
+    #: its rows: the complement's factors are computed separately.
+    shares_rows = False
 
     def __init__(self, lin):
         self.lin = lin
@@ -179,6 +183,9 @@ class GraphFactors:
 
     KRON = (nn.Linear, nn.Conv1d, nn.Conv2d)
 
+    #: :meth:`rows_and_factors` shares one pass between the rows and the factors.
+    shares_rows = True
+
     def __init__(self, lin):
         self.lin = lin
         self.backend = lin.jacobian_backend
@@ -228,9 +235,45 @@ class GraphFactors:
         -------
         tuple
         """
+        g, sig = self.backend.layer_signals(self.lin._input(x))
+        return self._from_signals(g, sig, mix)
+
+    def rows_and_factors(self, x: Tensor, mix=None, dtype=None) -> tuple:
+        """The Jacobian rows at ``x`` (all outputs) and :meth:`factors` of the same
+        forward and backward pass.
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, ...)
+            Inputs (cast by the network), at most :meth:`step` points.
+        mix : callable, optional
+            As in :meth:`factors` (the signals are mixed after the backward pass).
+        dtype : torch.dtype, optional
+            The factors' dtype (default the network's: a prediction's rotations).
+
+        Returns
+        -------
+        rows : GraphRows
+        factors : tuple
+            As :meth:`factors`.
+        """
+        rows = self.backend.rows_and_signals(self.lin._input(x))
+        dense = None
+        if self.diag_names and rows.D is not None:  # the diagonal parameters' rows
+            dense = rows._columns(rows.D, rows.dense_names)
+        facs = self._from_signals(rows.output, rows.signals, mix, rows.patches,
+                                  dtype=dtype or self.lin.dtype, dense=dense)
+        rows.signals = rows.patches = None  # (held by the factors now, as needed)
+        return rows, facs
+
+    def _from_signals(self, g: Tensor, sig: list, mix=None, patches=None, dtype=_F64,
+                      dense=None) -> tuple:
+        """:meth:`factors` from the backend's layer signals, in ``dtype`` (float64 for
+        the curvature; the network's for the rotations of a prediction). ``patches``:
+        the conv layers' unfolded inputs and ``dense``: the diagonal parameters' rows
+        ``{name: (B * C, numel)}``, when the rows already hold them."""
         from .._network.backends.graph import conv_patches, layer_blocks
 
-        g, sig = self.backend.layer_signals(self.lin._input(x))
         B, C = g.shape
         M = None if mix is None else mix(g.to(_F64))
         K = C if M is None else M.shape[1]
@@ -240,30 +283,34 @@ class GraphFactors:
                 out.append(None)
                 continue
             layer, mod, a, d = sig[i]
-            d = _mix(d.to(_F64).reshape(B, C, *d.shape[1:]), M)
+            d = _mix(d.to(dtype).reshape(B, C, *d.shape[1:]), M)
             if isinstance(mod, nn.Linear):
-                a = a.to(_F64).reshape(B, -1, a.shape[-1])  # (B, T, in)
+                a = a.to(dtype).reshape(B, -1, a.shape[-1])  # (B, T, in)
                 d = d.reshape(B, K, -1, blk.out).transpose(2, 3)  # (B, K, out, T)
             else:
-                a = (conv_patches(mod, a.to(_F64)) if layer.weight_name is not None else
+                pa = None if patches is None else patches.get(i)
+                a = ((pa.to(dtype) if pa is not None else conv_patches(mod, a.to(dtype)))
+                     if layer.weight_name is not None else
                      torch.zeros((B, d.reshape(B, K, blk.out, -1).shape[-1], 0),
-                                 dtype=_F64, device=d.device))
+                                 dtype=dtype, device=d.device))
                 d = d.reshape(B, K, blk.out, -1)
             out.append((_with_bias(a, layer.weight_name is not None,
                                    layer.bias_name is not None), d))
         D = None
         if self.diag_names:
-            cols = {}
+            cols = {} if dense is None else {  # (B, K, numel) once mixed
+                n: _mix(dense[n].to(dtype).reshape(B, C, -1), M)
+                for n in self.diag_names if n in dense}
             for i in self._diag:
-                if sig[i] is None:
+                if sig[i] is None or all(n in cols for n in self.backend.layers[i].names()):
                     continue
                 layer, mod, a, d = sig[i]
-                d = _mix(d.to(_F64).reshape(B, C, *d.shape[1:]), M)
-                _, dense = layer_blocks(layer, mod, a.to(_F64), d.reshape(B * K, *d.shape[2:]),
-                                        K)
-                cols.update(dense)
+                d = _mix(d.to(dtype).reshape(B, C, *d.shape[1:]), M)
+                _, blocks = layer_blocks(layer, mod, a.to(dtype),
+                                         d.reshape(B * K, *d.shape[2:]), K)
+                cols.update(blocks)
             D = torch.cat([cols[n].reshape(B, K, -1) if n in cols else
-                           torch.zeros((B, K, self.lin.params[n].numel()), dtype=_F64,
+                           torch.zeros((B, K, self.lin.params[n].numel()), dtype=dtype,
                                        device=g.device) for n in self.diag_names], dim=-1)
         return g, out, D
 

@@ -526,8 +526,11 @@ class SubspacePosterior(GLMPosterior):
         inflate the std on the data.
         """
         lin, lik = data.lin, data.likelihood
-        bs = min(data.batch_size, lin.chunk_size(data.n_outputs))
-        tr_g = data.reduce(_ggn_trace, (lin, lik), bs)[0]
+        if self.complement is not None:  # its pass over the training rows had it
+            tr_g = self.complement.ggn_trace
+        else:
+            bs = min(data.batch_size, lin.chunk_size(data.n_outputs))
+            tr_g = data.reduce(_ggn_trace, (lin, lik), bs)[0]
         outside = max(tr_g - self._inside_trace(), 0.0)
         s2 = self.noise_variance if self._regression else 1.0
         excess = self.prior_variance * outside / s2 / (self.n_seen * data.n_outputs)

@@ -597,7 +597,26 @@ class GraphBackend(FactoredBackend):
             out[i] = (layer, named[layer.path], rec.acts[i], d)
         return g.detach(), out
 
-    def _rows(self, x: Tensor, out_idx: Tensor | None, diff: bool) -> GraphRows:
+    def rows_and_signals(self, x: Tensor) -> GraphRows:
+        """All ``C`` outputs' rows at ``x`` (one product's chunk of points), keeping
+        the layer signals they were contracted from in ``rows.signals`` (the format of
+        :meth:`layer_signals`) and the unfolded conv patches in ``rows.patches`` (per
+        layer index, the network's dtype): the KFAC complement's terms and the
+        features ``J(x) V`` from one forward and one backward pass.
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, ...)
+            Inputs (already cast by the network), at most one chunk of points.
+
+        Returns
+        -------
+        GraphRows
+        """
+        return self._rows(x, None, False, keep=True)
+
+    def _rows(self, x: Tensor, out_idx: Tensor | None, diff: bool,
+              keep: bool = False) -> GraphRows:
         lin = self.lin
         g, rec, mod = self._record(x, diff)
         B, C = g.shape
@@ -684,8 +703,19 @@ class GraphBackend(FactoredBackend):
                   if any(n in (f.weight_name, f.bias_name) for f in layers)]
         output = g if diff else g.detach()
         sj = StructuredJacobian(layers, k, fnames, output) if layers else None
-        return GraphRows(sj, None if D is None else D.reshape(B * k, -1), dnames, k, lin,
+        rows = GraphRows(sj, None if D is None else D.reshape(B * k, -1), dnames, k, lin,
                          output)
+        if keep:  # (all outputs, not differentiable: the batched branch above)
+            rows.signals = [None] * len(self.layers)
+            rows.patches = {}
+            for j, i in enumerate(used):
+                layer = self.layers[i]
+                rows.signals[i] = (layer, named[layer.path], rec.acts[i], grads[j] if
+                                   grads[j] is not None else eps[j].new_zeros(
+                                       (B * k,) + eps[j].shape[1:]))
+                if "patches" in caches[i]:
+                    rows.patches[i] = caches[i]["patches"]
+        return rows
 
     # -- products -----------------------------------------------------------------
     def _n_outputs(self, x: Tensor) -> int:
