@@ -73,6 +73,7 @@ class _FMGPMixin:
         self.kernel_ = posterior.kernel
         self.inducing_inputs_ = posterior.inducing_inputs
         self.inducing_outputs_ = posterior.inducing_outputs
+        self.inducing_features_ = posterior.inducing_features
         self.n_iter_ = int(posterior.n_iter)
         self.validation_scores_ = list(posterior.hyper_trace.get("validation", []))
         super()._store_fitted(posterior)
@@ -160,6 +161,8 @@ class FMGPRegressor(_FMGPMixin, LaplaceRegressorMixin):
         The learned inducing inputs.
     inducing_outputs_ : ndarray of shape (M,)
         The target index of each inducing input.
+    inducing_features_ : None
+        ``None`` (the kernels of regression take no network features).
     n_iter_ : int
         Adam steps taken.
     validation_scores_ : list of tuple
@@ -323,6 +326,10 @@ class FMGPClassifier(_FMGPMixin, LaplaceClassifierMixin):
         The learned inducing inputs.
     inducing_outputs_ : ndarray of shape (M,)
         The logit index of each inducing input.
+    inducing_features_ : ndarray of shape (M, F) or None
+        The learned penultimate features ``psi_m`` of the inducing points
+        (``ClassificationKernel(inducing_features="free")``, the default); ``None``
+        when they are ``psi(inducing_inputs_)``.
     n_iter_ : int
         Adam steps taken.
     validation_scores_ : list of tuple

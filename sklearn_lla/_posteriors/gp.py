@@ -237,6 +237,27 @@ class Kernel(abc.ABC):
         """
         return (self.gram(z, cz), *self.cross_and_diag(x, z, cz))
 
+    def lift_inducing(self, z: torch.Tensor) -> torch.Tensor:
+        """The inducing parameters the fit learns for inducing inputs ``z`` (optional hook).
+
+        The engine calls it once on the initial inducing inputs (k-means centres,
+        ``(M, n_features)``); what it returns is optimised in their place and is the
+        ``z`` that :meth:`gram`, :meth:`cross`, :meth:`batch` and :meth:`predictor`
+        receive. The default returns ``z``; a kernel may append per-point parameters
+        (``ClassificationKernel`` appends free inducing features).
+
+        Parameters
+        ----------
+        z : Tensor of shape (M, n_features)
+            Inducing inputs.
+
+        Returns
+        -------
+        Tensor of shape (M, n_params)
+            The inducing parameters (``z`` itself by default).
+        """
+        return z
+
     def predictor(self, z: torch.Tensor, cz: torch.Tensor, W: torch.Tensor):
         """Build the function used at prediction, ``x -> (Kxx blocks, Kxz W^T)``.
 
@@ -409,6 +430,14 @@ class FixedMeanGPPosterior(Posterior):
         """
         return None
 
+    def training_batches(self, data, generator):
+        """The endless minibatches ``(x, y)`` of the Adam loop (a hook).
+
+        Default: :func:`~sklearn_lla._core.optim.minibatches`. FMGP attaches its
+        cached network outputs to each batch.
+        """
+        return minibatches(data, self.batch_size, generator)
+
     def mean_term_noise(self, noise):
         """The noise variance the fixed-mean term is evaluated with (a hook).
 
@@ -472,6 +501,9 @@ class FixedMeanGPPosterior(Posterior):
                          requires_grad=self.learn_inducing)
         cz = torch.as_tensor(cz0, device=dev)
         kernel = self.make_kernel(data, Z, cz)
+        lifted = kernel.lift_inducing(Z.detach())
+        if lifted.shape != Z.shape:  # the kernel appends per-point parameters
+            Z = lifted.detach().clone().requires_grad_(self.learn_inducing)
         L_raw = torch.eye(Z.shape[0], dtype=torch.float64, device=dev, requires_grad=True)
         log_noise = fixed_noise = None
         if regression:
@@ -497,7 +529,7 @@ class FixedMeanGPPosterior(Posterior):
         freq = self.validation_freq
         if freq == "auto":
             freq = AUTO_CHECK_FREQ["exact" if callable(validation) else "loss"]
-        res = minimize(objective.loss, params, minibatches(data, self.batch_size, gen),
+        res = minimize(objective.loss, params, self.training_batches(data, gen),
                        max_iter=self.max_iter, lr=self.learning_rate,
                        validation=validation if self.early_stopping else None,
                        validation_freq=freq,
