@@ -279,7 +279,11 @@ class FMGPClassifier(_FMGPMixin, LaplaceClassifierMixin):
         Rows per minibatch and per forward pass at prediction.
     early_stopping : bool, default=True
         Stop when the training objective has not improved for ``n_iter_no_change``
-        checks (as in :class:`FMGPRegressor`).
+        checks (as in :class:`FMGPRegressor`), where a check improves only when it
+        also beats the best by more than 5 % of the objective's progress since the
+        first check (diminishing returns: on image inputs the kernel's length scales
+        grow without bound and the objective creeps down for thousands of steps; see
+        ``docs/fmgp.md``).
     validation_fraction : float, default=0.1
         Fraction of rows held out from training the network when ``fit`` trains it;
         those rows calibrate the temperature.

@@ -148,3 +148,4 @@ def test_free_inducing_features_start_at_the_network_and_split_when_fitted():
     with pytest.raises(ValueError, match="inducing_features"):
         FMGPClassifier(net, kernel=ClassificationKernel(inducing_features="nope"),
                        device="cpu").fit(X, y)
+

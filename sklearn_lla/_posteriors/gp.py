@@ -345,6 +345,9 @@ class FixedMeanGPPosterior(Posterior):
         Improvement a check must make to count as one for early stopping: the score
         must fall by more than ``tol * max(1, |best|)`` (both scores are per-point
         NLLs, so this is 1e-3 nats per point below 1).
+    progress_tol : float, default=0.0
+        And by more than ``progress_tol`` times the progress since the first check
+        (diminishing returns; see :class:`~sklearn_lla._core.optim.Patience`).
     name : str or None, default=None
         The name shown in progress bars, warnings and errors (the estimator passes
         its own, e.g. ``"VaLLARegressor"``); ``None`` uses the class name.
@@ -365,7 +368,7 @@ class FixedMeanGPPosterior(Posterior):
                  learning_rate=1e-3, max_iter=5000, batch_size=100, early_stopping=True,
                  validation_freq=100, n_iter_no_change=5, learn_inducing=True,
                  energy_link="probit", n_energy_samples=32, random_state=0,
-                 tol=1e-3, stopping="auto", name=None):
+                 tol=1e-3, progress_tol=0.0, stopping="auto", name=None):
         self.n_inducing = int(n_inducing)
         self.covariance = covariance
         self.noise_variance = noise_variance
@@ -382,6 +385,7 @@ class FixedMeanGPPosterior(Posterior):
         self.n_energy_samples = int(n_energy_samples)
         self.random_state = int(random_state)
         self.tol = float(tol)
+        self.progress_tol = float(progress_tol)
         self.name = name
         self.stopping = stopping
 
@@ -535,6 +539,7 @@ class FixedMeanGPPosterior(Posterior):
                        validation_freq=freq,
                        early_stopping=self.early_stopping,
                        n_iter_no_change=self.n_iter_no_change, tol=self.tol,
+                       progress_tol=self.progress_tol,
                        check_start=callable(validation), verbose=data.verbose,
                        desc=f"{self._display_name()}: fitting")
         # -- publish -----------------------------------------------------------------------
