@@ -98,6 +98,9 @@ def test_cached_rows_give_the_per_step_losses_and_gradients(monkeypatch, task, k
     cached, rec_c = _fit(task, monkeypatch, **kw)
     per_step, rec_s = _fit(task, monkeypatch, budget=0, **kw)
     assert cached.posterior_.cached_rows == 230 and per_step.posterior_.cached_rows == 0
+    # early stopping's rule of diminishing returns: classification only
+    assert cached.posterior_.progress_tol == (0.0 if task == "regression"
+                                              else fmgp_mod.PROGRESS_TOL)
     # float64 network: the cache holds the very numbers a forward pass of the batch
     # gives, up to the row blocking of the matrix products (round-off)
     np.testing.assert_allclose(rec_c["losses"], rec_s["losses"], rtol=1e-12)

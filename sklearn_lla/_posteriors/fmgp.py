@@ -4,7 +4,11 @@ A decoupled sparse variational GP whose predictive **mean is fixed to the networ
 ``g`` and whose covariance is learned with a free parametric kernel (see
 :mod:`sklearn_lla.kernels`). Unlike VaLLA no Jacobian is ever formed: fitting and
 prediction need only ``g(x)`` (and, for the classification kernel, the penultimate
-features ``psi(x)``), one forward pass per batch.
+features ``psi(x)``): ``fit`` computes them once per training row (at most
+:data:`FEATURE_CACHE_BYTES`; beyond, one forward pass per minibatch), prediction one
+forward pass per batch. The classification kernel's inducing points carry their own
+learned features (``ClassificationKernel(inducing_features="free")``), so a training
+step runs no network pass.
 
 With ``M`` inducing pairs ``(z_m, c_m)``, the factor ``L`` and the kernel ``K`` (all in
 float64; the algebra is shared with VaLLA in :mod:`sklearn_lla._posteriors.gp`):
