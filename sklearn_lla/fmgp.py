@@ -280,7 +280,7 @@ class FMGPClassifier(_FMGPMixin, LaplaceClassifierMixin):
     early_stopping : bool, default=True
         Stop when the training objective has not improved for ``n_iter_no_change``
         checks (as in :class:`FMGPRegressor`), where a check improves only when it
-        also beats the best by more than 5 % of the objective's progress since the
+        also beats the best by more than 10 % of the objective's progress since the
         first check (diminishing returns: on image inputs the kernel's length scales
         grow without bound and the objective creeps down for thousands of steps; see
         ``docs/fmgp.md``).
@@ -294,8 +294,13 @@ class FMGPClassifier(_FMGPMixin, LaplaceClassifierMixin):
     tol : float, default=1e-3
         A check improves on the best one ``b`` when the objective (a per-row loss)
         is lower by more than ``tol * max(1, |b|)``.
-    learn_inducing : bool, default=True
-        Optimise the inducing inputs.
+    learn_inducing : bool, default=False
+        Optimise the inducing pairs (inputs and their features ``psi_m``; the
+        thesis'). Off by default: the per-class k-means inputs and their features
+        are kept, which on the digits CNN and on MLPs (digits, breast cancer)
+        measured a lower test NLL and ECE at fewer steps than learning them, which
+        lowers the training objective but fits the rows the network already fits
+        (``docs/fmgp.md``).
     mean_regularizer : bool, default=True
         Add the auxiliary ``Q*`` term.
     penultimate_layer : str or None, default=None
@@ -385,7 +390,7 @@ class FMGPClassifier(_FMGPMixin, LaplaceClassifierMixin):
     def __init__(self, net=None, *, kernel="auto", n_inducing=100, prior_variance="auto",
                  alpha=1.0, learning_rate=0.01, max_iter=5000, batch_size=100,
                  early_stopping=True, validation_fraction=0.1, validation_freq=100,
-                 n_iter_no_change=5, tol=1e-3, learn_inducing=True, mean_regularizer=True,
+                 n_iter_no_change=5, tol=1e-3, learn_inducing=False, mean_regularizer=True,
                  penultimate_layer=None, link_approx="probit",
                  n_samples_predict=512, classes=None, device="auto", random_state=None,
                  verbose=0):

@@ -94,7 +94,10 @@ def _fit(task, monkeypatch, *, budget=None, **kw):
 @pytest.mark.parametrize("task,kernel", [("regression", None), ("classification", "free"),
                                          ("classification", "network")])
 def test_cached_rows_give_the_per_step_losses_and_gradients(monkeypatch, task, kernel):
-    kw = {} if kernel is None else {"kernel": ClassificationKernel(inducing_features=kernel)}
+    # learned inducing pairs (not the classifier's default): the loop then differentiates
+    # at Z, through the network when psi is tied to it
+    kw = {} if kernel is None else {"kernel": ClassificationKernel(inducing_features=kernel),
+                                    "learn_inducing": True}
     cached, rec_c = _fit(task, monkeypatch, **kw)
     per_step, rec_s = _fit(task, monkeypatch, budget=0, **kw)
     assert cached.posterior_.cached_rows == 230 and per_step.posterior_.cached_rows == 0
@@ -129,7 +132,7 @@ def test_free_inducing_features_start_at_the_network_and_split_when_fitted():
     X, y = _data("classification")
     net = _Counted(3, 3)
     clf = FMGPClassifier(net, n_inducing=9, max_iter=30, early_stopping=False, device="cpu",
-                         random_state=0).fit(X, y)
+                         learn_inducing=True, random_state=0).fit(X, y)
     k = clf.kernel_
     assert k.inducing_features == "free"
     Z, cz = torch.as_tensor(clf.inducing_inputs_), torch.as_tensor(clf.inducing_outputs_)

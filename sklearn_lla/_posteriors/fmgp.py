@@ -89,7 +89,7 @@ START_JITTER = 1e-6
 #: (the RBF flattening towards the linear kernel on ``psi``), so its objective creeps
 #: down by a near-constant amount per step for thousands of steps (``docs/fmgp.md``).
 #: Regression keeps the absolute rule alone (``0``).
-PROGRESS_TOL = 0.05
+PROGRESS_TOL = 0.1
 
 #: Largest size (bytes) of the training rows' cached network outputs ``g(x)`` (and
 #: penultimate features ``psi(x)``): up to it ``fit`` computes them in one pass over
