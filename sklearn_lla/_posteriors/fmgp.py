@@ -414,7 +414,9 @@ class FMGPPosterior(FixedMeanGPPosterior):
                                    and self._features.net is data.lin) else None
         n = data.n_samples
         rows = []
-        for x, _ in data.batches(self.batch_size):
+        bs = self.batch_size
+        for start in range(0, n, bs):  # stream order, whatever the storage
+            x, _ = data.rows(slice(start, min(start + bs, n)))
             with torch.no_grad():
                 out = feats(x) if feats is not None else (data.lin.forward(x), None)
             if not rows:
