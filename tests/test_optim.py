@@ -235,3 +235,26 @@ def test_check_start_restores_the_start_when_steps_only_make_things_worse():
     assert res.validation_history[0] == (0, 0.0)
     assert res.best_iter == 0 and res.stopped_early and res.n_iter == 20
     torch.testing.assert_close(w.detach(), start, rtol=0, atol=0)
+
+
+def test_progress_tol_stops_on_diminishing_returns():
+    """A score creeping down by a constant 0.01 per check (an optimum at infinity) never
+    stops the absolute rule; with ``progress_tol`` a check must beat the best by that
+    fraction of the progress since the first check, so the count runs out once the
+    steps are small next to the progress made."""
+    from sklearn_lla._core.optim import Patience
+
+    scores = [1.0, 0.5, 0.3, 0.2] + [0.2 - 0.01 * i for i in range(1, 40)]
+    plain, diminishing = Patience(3, tol=1e-3), Patience(3, tol=1e-3, progress_tol=0.05)
+    for s in scores:
+        plain.update(s)
+        diminishing.update(s)
+        if diminishing.stop:
+            break
+    assert not plain.stop
+    # progress at the best check (0.2) is 0.8: steps of 0.01 < 0.05 * 0.8 never count
+    assert diminishing.stop and diminishing.best == 0.2
+    assert diminishing.first == 1.0
+    # a gain of more than the fraction restarts the count
+    p = Patience(2, progress_tol=0.5)
+    assert [p.update(s) for s in (1.0, 0.5, 0.4, 0.1)] == [True, True, False, True]

@@ -178,6 +178,10 @@ class Patience:
     slack : float or None, default=None
         Scores within ``slack * |best|`` above the best restart the count; ``None``:
         every check that does not improve counts.
+    progress_tol : float, default=0.0
+        Diminishing returns: a score improves only when it is also lower than the best
+        by more than ``progress_tol`` times the progress so far (the first score
+        minus the best). ``0``: no such condition.
 
     Examples
     --------
@@ -187,16 +191,24 @@ class Patience:
     ([True, True, False, False], 2.0, True)
     """
 
-    def __init__(self, n_iter_no_change: int, tol: float = 0.0, slack: float | None = None):
+    def __init__(self, n_iter_no_change: int, tol: float = 0.0, slack: float | None = None,
+                 progress_tol: float = 0.0):
         self.n_iter_no_change = int(n_iter_no_change)
         self.tol = float(tol)
         self.slack = slack
+        self.progress_tol = float(progress_tol)
         self.best = math.inf
+        self.first = None
         self.bad = 0
 
     def update(self, score: float) -> bool:
         """Record a check's ``score``; whether it improved on the best."""
-        if improves(score, self.best, self.tol):
+        if self.first is None and math.isfinite(score):
+            self.first = score
+        progress = 0.0 if self.first is None or not math.isfinite(self.best) else (
+            self.first - self.best)
+        if improves(score, self.best, self.tol) and (
+                self.best - score > self.progress_tol * progress):
             self.best, self.bad = score, 0
             return True
         if self.slack is not None and score <= self.best + self.slack * abs(self.best):
@@ -214,7 +226,8 @@ class Patience:
 def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: int,
              lr: float = 1e-3, validation: Callable | str | None = None,
              validation_freq: int = 100, early_stopping: bool = True,
-             n_iter_no_change: int = 5, tol: float = 0.0, check_start: bool = False,
+             n_iter_no_change: int = 5, tol: float = 0.0, progress_tol: float = 0.0,
+             check_start: bool = False,
              verbose: int = 0, desc: str = "optimising", lr_schedule="constant",
              final_lr_factor: float = 0.01) -> OptimResult:
     """Minimise ``loss_fn(batch)`` over ``params`` with Adam.
@@ -249,6 +262,10 @@ def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: in
         A check improves on the best score ``b`` only when it is lower by more than
         ``tol * max(1, |b|)`` (see :func:`improves`); smaller gains count as none and
         the earlier, equally good state is kept.
+    progress_tol : float, default=0.0
+        A check must also beat the best score by more than ``progress_tol`` times
+        the progress so far (the first check's score minus the best): stop on
+        diminishing returns (see :class:`Patience`).
     check_start : bool, default=False
         Also score the initial state (as step 0) when ``validation`` is a callable, so
         that a run that only makes things worse restores where it started (useful
@@ -279,7 +296,7 @@ def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: in
     opt = torch.optim.Adam(params, lr=lr)
     res = OptimResult(monitor="none" if validation is None else
                       "loss" if on_loss else "validation")
-    patience = Patience(n_iter_no_change, tol)
+    patience = Patience(n_iter_no_change, tol, progress_tol=progress_tol)
     best_state, last_check = None, 0
     bar = None
     if verbose:

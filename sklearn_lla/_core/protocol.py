@@ -237,7 +237,8 @@ class FitData:
             if bar is not None:
                 bar.close()
 
-    def minibatches(self, batch_size: int, generator: torch.Generator) -> Iterator:
+    def minibatches(self, batch_size: int, generator: torch.Generator, *,
+                    with_index: bool = False) -> Iterator:
         """Endless shuffled minibatches ``(x, y)`` of ``batch_size`` rows.
 
         Up to :data:`MINIBATCH_CACHE_ROWS` rows each epoch is a fresh permutation of
@@ -248,6 +249,9 @@ class FitData:
         yields batches of a permutation of the group's rows (a last partial batch of
         a group is dropped). The draws depend only on ``generator``, ``N`` and
         ``batch_size``: numpy and dask inputs give the same batches.
+        ``with_index=True`` yields ``(x, y, idx)``: the same batches with the
+        positions of their rows in this stream (an int64 ndarray), for callers that
+        cache per-row quantities.
         """
         n = self.n_samples
         bs = min(int(batch_size), n)
@@ -262,9 +266,10 @@ class FitData:
                     sel = perm[start:start + bs]
                     if src.is_dask:
                         t = torch.from_numpy(sel).to(x_all.device)
-                        yield x_all[t], y_all[t.to(y_all.device)]
+                        batch = x_all[t], y_all[t.to(y_all.device)]
                     else:
-                        yield src.rows(sel)
+                        batch = src.rows(sel)
+                    yield (*batch, sel) if with_index else batch
         block = max(1, min(MINIBATCH_BLOCK_ROWS, cache))
         n_blocks = -(-n // block)
         per_group = max(1, cache // block)
@@ -277,7 +282,8 @@ class FitData:
                 perm = torch.randperm(len(rows), generator=generator)
                 for start in range(0, len(rows) - bs + 1, bs):
                     sel = perm[start:start + bs]
-                    yield xg[sel.to(xg.device)], yg[sel.to(yg.device)]
+                    batch = xg[sel.to(xg.device)], yg[sel.to(yg.device)]
+                    yield (*batch, rows[sel.numpy()]) if with_index else batch
 
     def progress(self, total: int, desc: str):
         """A tqdm bar when ``verbose`` (else ``None``)."""

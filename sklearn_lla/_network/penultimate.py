@@ -180,6 +180,9 @@ class PenultimateFeatures:
         psi : Tensor of shape (B, F)
             The penultimate features.
         """
+        pinned = getattr(self._local, "pinned", None)
+        if pinned is not None and pinned[0]() is x and pinned[1] == x._version:
+            return pinned[2], pinned[3]
         grad = torch.is_grad_enabled() and x.requires_grad
         entry = getattr(self._local, "entry", None)
         if entry is not None:
@@ -193,3 +196,26 @@ class PenultimateFeatures:
                 g, psi = self._compute(x)
         self._local.entry = (weakref.ref(x), x._version, grad, g, psi)
         return g, psi
+
+    def pin(self, x, g, psi):
+        """Give the outputs of batch ``x`` in this thread without a forward pass.
+
+        Until the next :meth:`pin` (or :meth:`unpin`) in this thread, calls with this
+        very tensor (unmodified) return ``(g, psi)``: FMGP's fit attaches the cached
+        outputs of its training rows to each minibatch this way. ``x`` must not
+        require gradients (the pinned values carry none).
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, ...)
+            The batch.
+        g : Tensor of shape (B, C)
+            Its network outputs.
+        psi : Tensor of shape (B, F)
+            Its penultimate features.
+        """
+        self._local.pinned = (weakref.ref(x), x._version, g, psi)
+
+    def unpin(self):
+        """Forget the outputs given by :meth:`pin` in this thread."""
+        self._local.pinned = None

@@ -4,7 +4,11 @@ A decoupled sparse variational GP whose predictive **mean is fixed to the networ
 ``g`` and whose covariance is learned with a free parametric kernel (see
 :mod:`sklearn_lla.kernels`). Unlike VaLLA no Jacobian is ever formed: fitting and
 prediction need only ``g(x)`` (and, for the classification kernel, the penultimate
-features ``psi(x)``), one forward pass per batch.
+features ``psi(x)``): ``fit`` computes them once per training row (at most
+:data:`FEATURE_CACHE_BYTES`; beyond, one forward pass per minibatch), prediction one
+forward pass per batch. The classification kernel's inducing points carry their own
+learned features (``ClassificationKernel(inducing_features="free")``), so a training
+step runs no network pass.
 
 With ``M`` inducing pairs ``(z_m, c_m)``, the factor ``L`` and the kernel ``K`` (all in
 float64; the algebra is shared with VaLLA in :mod:`sklearn_lla._posteriors.gp`):
@@ -45,17 +49,21 @@ from __future__ import annotations
 
 import copy
 import math
+import weakref
 
 import numpy as np
 import torch
 
 from .._core.linalg import cholesky
+from .._core.optim import minibatches
 from .gp import FixedMeanGPPosterior
 from .gp_algebra import alpha_energy, joint_cov, latent_cov, variational_terms
 from .kernels import RBF, ClassificationKernel
 
 __all__ = [
+    "FEATURE_CACHE_BYTES",
     "FMGPPosterior",
+    "PROGRESS_TOL",
     "KERNEL_INIT_ROWS",
     "QSTAR_JITTER",
     "default_kernel",
@@ -73,6 +81,21 @@ KERNEL_INIT_ROWS = 1000
 
 #: Relative jitter of ``Kzz`` in the starting factor of :meth:`FMGPPosterior.start`.
 START_JITTER = 1e-6
+
+#: Classification's early-stopping rule of diminishing returns (``progress_tol`` of
+#: :func:`~sklearn_lla._core.optim.minimize`): a check improves only when the objective
+#: fell by more than this fraction of its progress since the first check. The
+#: classification kernel's input length scales grow without bound on image inputs
+#: (the RBF flattening towards the linear kernel on ``psi``), so its objective creeps
+#: down by a near-constant amount per step for thousands of steps (``docs/fmgp.md``).
+#: Regression keeps the absolute rule alone (``0``).
+PROGRESS_TOL = 0.1
+
+#: Largest size (bytes) of the training rows' cached network outputs ``g(x)`` (and
+#: penultimate features ``psi(x)``): up to it ``fit`` computes them in one pass over
+#: the data and reads them per minibatch; beyond, every step runs the network on
+#: its minibatch (the same numbers, one forward pass per step).
+FEATURE_CACHE_BYTES = 512 * 2**20
 
 
 def default_kernel(task, *, amplitude=None, penultimate_layer=None):
@@ -241,20 +264,28 @@ class FMGPPosterior(FixedMeanGPPosterior):
         Add the ``Q*`` term (the thesis' regulariser). In regression with a learned
         noise, the noise then takes its gradient from ``Q*``'s ELBO only (see the
         module docstring); without it, from the fixed-mean term (the thesis).
+    progress_tol : float or "auto", default="auto"
+        Early stopping's diminishing-returns fraction (see
+        :func:`~sklearn_lla._core.optim.minimize`); ``"auto"``: :data:`PROGRESS_TOL`
+        for classification, 0 for regression.
     **kwargs
         :class:`~sklearn_lla._posteriors.gp.FixedMeanGPPosterior`'s settings
         (``stopping`` defaults to ``"objective"``).
     """
 
-    fitted_attributes = FixedMeanGPPosterior.fitted_attributes + ("q_mu",)
+    fitted_attributes = FixedMeanGPPosterior.fitted_attributes + (
+        "q_mu", "inducing_features", "cached_rows")
 
 
     def __init__(self, kernel=None, *, mean_regularizer=True, **kwargs):
         kwargs.setdefault("stopping", "objective")
+        self.progress_tol_param = kwargs.pop("progress_tol", "auto")
         super().__init__(**kwargs)
         self.kernel_template = kernel
         self.mean_regularizer = bool(mean_regularizer)
         self._features = None
+        self._pinned = None
+        self.cached_rows = 0
 
     # -- hooks -----------------------------------------------------------------------
     def make_kernel(self, data, Z, cz):
@@ -280,7 +311,8 @@ class FMGPPosterior(FixedMeanGPPosterior):
         self.q_mu = q0.detach().clone().requires_grad_(self.mean_regularizer)
         self._noise0 = None
         if self._noise_from_qstar(data.likelihood):
-            self._noise0 = qstar_initial_noise(kernel, Z.detach(), cz, self.q_mu.detach(), x, y)
+            self._noise0 = qstar_initial_noise(kernel, kernel.lift_inducing(Z.detach()), cz,
+                                               self.q_mu.detach(), x, y)
         return kernel
 
     def _noise_from_qstar(self, likelihood):
@@ -305,7 +337,12 @@ class FMGPPosterior(FixedMeanGPPosterior):
         the softmax Hessian at the network's logits in classification. ``L = I`` (the
         thesis' start) is thousands of Adam steps from entries of order
         ``sqrt(N / (M s2))``.
+
+        The training rows' ``g`` (and ``psi``) are computed here once
+        (:meth:`_cache_rows`), for the loop's minibatches.
         """
+        self._row_cache = self._cache_rows(data)
+        self.cached_rows = 0 if self._row_cache is None else int(self._row_cache[0].shape[0])
         lik = data.likelihood
         N = data.n_samples
         rng = np.random.default_rng(self.random_state + 1)
@@ -315,6 +352,10 @@ class FMGPPosterior(FixedMeanGPPosterior):
             G = []
             for i in range(0, len(idx), 256):
                 x, _ = data.rows(idx[i:i + 256])
+                if self._row_cache is not None:
+                    g_all, psi_all = self._row_cache
+                    t = torch.from_numpy(idx[i:i + 256]).to(g_all.device)
+                    self._pin(x, g_all[t], None if psi_all is None else psi_all[t])
                 Kxz = kernel.cross(x, Z, cz)  # (b, C, M)
                 if lik.task != "regression":
                     Kxz = lik.lam_factor(self._mean(data.lin, x)).transpose(1, 2) @ Kxz
@@ -360,7 +401,64 @@ class FMGPPosterior(FixedMeanGPPosterior):
         kl = terms.kl + 0.5 * (a @ (Kzz @ a))
         return -(e_star.mean() + e_noise.mean()) + kl / n_total
 
+    # -- the training rows' outputs, computed once ------------------------------------
+    def _cache_rows(self, data):
+        """``(g, psi)`` of every training row in one pass (``None`` beyond the budget).
+
+        ``psi`` is ``None`` unless the kernel uses the penultimate features. Stored
+        in the network's dtype on its device, at most :data:`FEATURE_CACHE_BYTES`.
+        """
+        if not hasattr(data, "minibatches"):
+            return None
+        feats = self._features if (self._features is not None
+                                   and self._features.net is data.lin) else None
+        n = data.n_samples
+        rows = []
+        bs = self.batch_size
+        for start in range(0, n, bs):  # stream order, whatever the storage
+            x, _ = data.rows(slice(start, min(start + bs, n)))
+            with torch.no_grad():
+                out = feats(x) if feats is not None else (data.lin.forward(x), None)
+            if not rows:
+                width = sum(t[0].numel() for t in out if t is not None)
+                if n * width * out[0].element_size() > FEATURE_CACHE_BYTES:
+                    return None
+            rows.append(out)
+        g = torch.cat([r[0] for r in rows])
+        psi = torch.cat([r[1] for r in rows]) if feats is not None else None
+        return g, psi
+
+    def training_batches(self, data, generator):
+        """Minibatches with the cached ``g`` (and ``psi``) of their rows attached.
+
+        The same draws as :func:`~sklearn_lla._core.optim.minibatches`; each batch's
+        input tensor is given its rows' outputs (:meth:`_pin`), so the step runs no
+        forward pass on it. Without a cache (too many rows): the plain minibatches.
+        """
+        cache = getattr(self, "_row_cache", None)
+        if cache is None:
+            yield from minibatches(data, self.batch_size, generator)
+            return
+        g_all, psi_all = cache
+        for x, y, idx in data.minibatches(self.batch_size, generator, with_index=True):
+            t = torch.from_numpy(idx).to(g_all.device)
+            self._pin(x, g_all[t], None if psi_all is None else psi_all[t])
+            yield x, y
+
+    def _pin(self, x, g, psi):
+        self._pinned = (weakref.ref(x), x._version, g)
+        if psi is not None:
+            self._features.pin(x, g, psi)
+
+    def _unpin(self):
+        self._pinned = None
+        if self._features is not None:
+            self._features.unpin()
+
     def _mean(self, lin, x):
+        pinned = self._pinned
+        if pinned is not None and pinned[0]() is x and pinned[1] == x._version:
+            return pinned[2].double()
         feats = self._features
         if feats is not None and feats.net is lin:  # g(x) and psi(x) from one forward pass
             with torch.no_grad():
@@ -375,13 +473,34 @@ class FMGPPosterior(FixedMeanGPPosterior):
         ``data`` holds held-out rows: those are for :meth:`calibrate`.
         """
         self._fit_lik = self._energy_likelihood(data.likelihood)
+        progress = self.progress_tol_param
+        if progress == "auto":
+            progress = 0.0 if data.likelihood.task == "regression" else PROGRESS_TOL
+        self.progress_tol = float(progress)
         self._noise0 = None
         self._gen = data.generator
+        self._row_cache = None
         try:
             super().fit(data)
         finally:
-            del self._fit_lik, self._gen, self._noise0
+            self._unpin()
+            del self._fit_lik, self._gen, self._noise0, self._row_cache
         self.q_mu = self.q_mu.detach()
+        return self
+
+    def freeze(self, lin, kernel, Z, cz, L_raw):
+        """Fix the fitted state (see :meth:`FixedMeanGPPosterior.freeze`).
+
+        With free inducing features (``ClassificationKernel(inducing_features="free")``)
+        the inducing parameters are rows ``[z_m, psi_m]``: :attr:`inducing_inputs` are
+        the ``z_m``, :attr:`inducing_features` the ``psi_m`` (else ``None``).
+        """
+        super().freeze(lin, kernel, Z, cz, L_raw)
+        D = getattr(kernel, "n_inputs", None)
+        self.inducing_features = None
+        if getattr(kernel, "_free", False) and D is not None and self._Z.shape[1] > D:
+            self.inducing_features = self.inducing_inputs[:, D:]
+            self.inducing_inputs = self.inducing_inputs[:, :D]
         return self
 
     def predict_joint(self, x):

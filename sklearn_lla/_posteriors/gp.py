@@ -237,6 +237,27 @@ class Kernel(abc.ABC):
         """
         return (self.gram(z, cz), *self.cross_and_diag(x, z, cz))
 
+    def lift_inducing(self, z: torch.Tensor) -> torch.Tensor:
+        """The inducing parameters the fit learns for inducing inputs ``z`` (optional hook).
+
+        The engine calls it once on the initial inducing inputs (k-means centres,
+        ``(M, n_features)``); what it returns is optimised in their place and is the
+        ``z`` that :meth:`gram`, :meth:`cross`, :meth:`batch` and :meth:`predictor`
+        receive. The default returns ``z``; a kernel may append per-point parameters
+        (``ClassificationKernel`` appends free inducing features).
+
+        Parameters
+        ----------
+        z : Tensor of shape (M, n_features)
+            Inducing inputs.
+
+        Returns
+        -------
+        Tensor of shape (M, n_params)
+            The inducing parameters (``z`` itself by default).
+        """
+        return z
+
     def predictor(self, z: torch.Tensor, cz: torch.Tensor, W: torch.Tensor):
         """Build the function used at prediction, ``x -> (Kxx blocks, Kxz W^T)``.
 
@@ -324,6 +345,9 @@ class FixedMeanGPPosterior(Posterior):
         Improvement a check must make to count as one for early stopping: the score
         must fall by more than ``tol * max(1, |best|)`` (both scores are per-point
         NLLs, so this is 1e-3 nats per point below 1).
+    progress_tol : float, default=0.0
+        And by more than ``progress_tol`` times the progress since the first check
+        (diminishing returns; see :class:`~sklearn_lla._core.optim.Patience`).
     name : str or None, default=None
         The name shown in progress bars, warnings and errors (the estimator passes
         its own, e.g. ``"VaLLARegressor"``); ``None`` uses the class name.
@@ -344,7 +368,7 @@ class FixedMeanGPPosterior(Posterior):
                  learning_rate=1e-3, max_iter=5000, batch_size=100, early_stopping=True,
                  validation_freq=100, n_iter_no_change=5, learn_inducing=True,
                  energy_link="probit", n_energy_samples=32, random_state=0,
-                 tol=1e-3, stopping="auto", name=None):
+                 tol=1e-3, progress_tol=0.0, stopping="auto", name=None):
         self.n_inducing = int(n_inducing)
         self.covariance = covariance
         self.noise_variance = noise_variance
@@ -361,6 +385,7 @@ class FixedMeanGPPosterior(Posterior):
         self.n_energy_samples = int(n_energy_samples)
         self.random_state = int(random_state)
         self.tol = float(tol)
+        self.progress_tol = float(progress_tol)
         self.name = name
         self.stopping = stopping
 
@@ -408,6 +433,14 @@ class FixedMeanGPPosterior(Posterior):
         classification), as a tensor that carries its gradient.
         """
         return None
+
+    def training_batches(self, data, generator):
+        """The endless minibatches ``(x, y)`` of the Adam loop (a hook).
+
+        Default: :func:`~sklearn_lla._core.optim.minibatches`. FMGP attaches its
+        cached network outputs to each batch.
+        """
+        return minibatches(data, self.batch_size, generator)
 
     def mean_term_noise(self, noise):
         """The noise variance the fixed-mean term is evaluated with (a hook).
@@ -472,6 +505,9 @@ class FixedMeanGPPosterior(Posterior):
                          requires_grad=self.learn_inducing)
         cz = torch.as_tensor(cz0, device=dev)
         kernel = self.make_kernel(data, Z, cz)
+        lifted = kernel.lift_inducing(Z.detach())
+        if lifted.shape != Z.shape:  # the kernel appends per-point parameters
+            Z = lifted.detach().clone().requires_grad_(self.learn_inducing)
         L_raw = torch.eye(Z.shape[0], dtype=torch.float64, device=dev, requires_grad=True)
         log_noise = fixed_noise = None
         if regression:
@@ -497,12 +533,13 @@ class FixedMeanGPPosterior(Posterior):
         freq = self.validation_freq
         if freq == "auto":
             freq = AUTO_CHECK_FREQ["exact" if callable(validation) else "loss"]
-        res = minimize(objective.loss, params, minibatches(data, self.batch_size, gen),
+        res = minimize(objective.loss, params, self.training_batches(data, gen),
                        max_iter=self.max_iter, lr=self.learning_rate,
                        validation=validation if self.early_stopping else None,
                        validation_freq=freq,
                        early_stopping=self.early_stopping,
                        n_iter_no_change=self.n_iter_no_change, tol=self.tol,
+                       progress_tol=self.progress_tol,
                        check_start=callable(validation), verbose=data.verbose,
                        desc=f"{self._display_name()}: fitting")
         # -- publish -----------------------------------------------------------------------

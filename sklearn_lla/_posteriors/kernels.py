@@ -345,6 +345,16 @@ class ClassificationKernel(RBF):
     ``docs/fmgp.md`` derives the kernel and why the bias term is ``[c = c']``, not the
     thesis text's ``[x = x']``.
 
+    Inducing points. The kernel is one on pairs ``u = (x, psi)`` evaluated at
+    ``(x, psi(x))``. With ``inducing_features="free"`` (the authors' code for image
+    nets) each inducing point is such a pair with its own learned ``psi_m``, started
+    at ``psi(z_m)`` (:meth:`lift_inducing`): the fit then needs no network pass at
+    the inducing points, only at the training rows (whose ``psi`` FMGP computes
+    once). ``"network"`` ties ``psi_m = psi(z_m)`` and differentiates the network at
+    ``Z`` on every step (a forward and a backward pass of ``M`` inputs). The methods'
+    ``z`` arguments take either form: rows ``[z_m, psi_m]`` (``n_features + F``
+    columns) or plain inputs (``n_features`` columns, ``psi`` from the network).
+
     Parameters
     ----------
     length_scale : float, array-like of shape (n_features,) or None, default=None
@@ -359,6 +369,11 @@ class ClassificationKernel(RBF):
         code); ``"input"``, ``[x = x']`` (the thesis text: white noise on identical
         inputs, which no inducing point can explain; measured better only on breast
         cancer, see ``docs/fmgp.md``).
+    inducing_features : {"free", "network"}, default="free"
+        ``psi`` of the inducing points: ``"free"``, a learned ``(M, F)`` parameter
+        started at ``psi(Z)`` (the inducing parameters are then ``(M, D + F)`` rows
+        ``[z_m, psi_m]``); ``"network"``, ``psi(z_m)`` recomputed by the network at
+        every step (see above; ``docs/fmgp.md`` compares them).
     learn_length_scale : bool, default=True
         Learn ``log l_d``.
     learn_amplitude : bool, default=True
@@ -391,11 +406,13 @@ class ClassificationKernel(RBF):
     """
 
     def __init__(self, length_scale=None, amplitude=None, *, penultimate_layer=None,
-                 delta="class", learn_length_scale=True, learn_amplitude=True):
+                 delta="class", inducing_features="free", learn_length_scale=True,
+                 learn_amplitude=True):
         super().__init__(length_scale, amplitude, learn_length_scale=learn_length_scale,
                          learn_amplitude=learn_amplitude)
         self.penultimate_layer = penultimate_layer
         self.delta = delta
+        self.inducing_features = inducing_features
 
     def initialize(self, X, y, *, n_outputs, task, net):
         """Set the hyperparameters and the feature map from a sample of the training data.
@@ -422,7 +439,11 @@ class ClassificationKernel(RBF):
             raise ValueError("ClassificationKernel needs the network (net=...)")
         if self.delta not in ("class", "input"):
             raise ValueError(f"delta must be 'class' or 'input', got {self.delta!r}")
+        if self.inducing_features not in ("free", "network"):
+            raise ValueError("inducing_features must be 'free' or 'network', got "
+                             f"{self.inducing_features!r}")
         self._init_rbf(X, 1.0)
+        self.n_inputs = int(X.reshape(len(X), -1).shape[1])
         self.n_outputs = int(n_outputs)
         self.features_ = PenultimateFeatures(net, self.penultimate_layer, X[:8])
         with torch.no_grad():
@@ -456,6 +477,38 @@ class ClassificationKernel(RBF):
     def _psi(self, x):
         _, psi = self.features_(x)
         return psi.to(_F64)
+
+    @property
+    def _free(self):
+        return getattr(self, "inducing_features", "network") == "free"
+
+    def _inducing(self, z):
+        """``(inputs, psi)`` of ``z``: rows ``[z_m, psi_m]`` (see :meth:`lift_inducing`)
+        are split; plain inputs (``n_features`` columns) get ``psi`` from the network."""
+        D = getattr(self, "n_inputs", None)
+        if D is not None and z.ndim == 2 and z.shape[1] > D:
+            return z[:, :D], z[:, D:].to(_F64)
+        return z, self._psi(z)
+
+    def lift_inducing(self, z):
+        """The inducing parameters of inducing inputs ``z``: ``[z, psi(z)]`` when free.
+
+        Parameters
+        ----------
+        z : Tensor of shape (M, n_features)
+            Inducing inputs (the k-means centres at the start of a fit).
+
+        Returns
+        -------
+        Tensor of shape (M, n_features + F) or (M, n_features)
+            ``[z_m, psi(z_m)]`` in float64 with ``inducing_features="free"`` (one
+            forward pass), else ``z``.
+        """
+        if not self._free:
+            return z
+        with torch.no_grad():
+            zx = z.detach().to(_F64).reshape(len(z), -1)
+            return torch.cat([zx, self._psi(z.detach().to(self.features_.net.dtype))], 1)
 
     @staticmethod
     def _same(x, z, d2):
@@ -505,8 +558,8 @@ class ClassificationKernel(RBF):
         Tensor of shape (M, M)
             ``a B[cz_i, cz_j] RBF(z_i, z_j) (psi_i^T psi_j / s + [cz_i = cz_j])``.
         """
+        z, psi_z = self._inducing(z)
         zs = self._dist.scale(z)
-        psi_z = self._psi(z)
         return self._pairs(z, zs, psi_z, z, zs, psi_z, cz, cz, gram=True)
 
     def cross(self, x, z, cz):
@@ -526,7 +579,8 @@ class ClassificationKernel(RBF):
         Tensor of shape (B, C, M)
             ``a B[c, cz_m] RBF(x_b, z_m) (psi_b^T psi_m / s + [c = cz_m])``.
         """
-        return self._cross(x, self._psi(x), self._dist.scale(z), z, self._psi(z), cz)
+        z, psi_z = self._inducing(z)
+        return self._cross(x, self._psi(x), self._dist.scale(z), z, psi_z, cz)
 
     def _cross(self, x, psi_x, zs, z, psi_z, cz):
         classes = torch.arange(self.n_outputs, device=cz.device)
@@ -574,7 +628,7 @@ class ClassificationKernel(RBF):
         Kxx : Tensor of shape (B, C, C)
             ``diag_blocks(x)``.
         """
-        psi_z = self._psi(z)
+        z, psi_z = self._inducing(z)
         psi_x = self._psi(x)
         return self._cross(x, psi_x, self._dist.scale(z), z, psi_z, cz), self._diag(psi_x)
 
@@ -599,7 +653,7 @@ class ClassificationKernel(RBF):
         Kxx : Tensor of shape (B, C, C)
             ``diag_blocks(x)``.
         """
-        psi_z = self._psi(z)
+        z, psi_z = self._inducing(z)
         zs = self._dist.scale(z)
         Kzz = self._pairs(z, zs, psi_z, z, zs, psi_z, cz, cz, gram=True)
         psi_x = self._psi(x)  # last: the predictive mean of x then reuses this pass
@@ -623,9 +677,9 @@ class ClassificationKernel(RBF):
             ``predict(x) -> (Kxx blocks (B, C, C), Kxz W^T (B, C, M))``; thread-safe.
         """
         with torch.no_grad():
-            z = z.detach()
+            z, psi_z = self._inducing(z.detach())
             zs = self._dist.scale(z)
-            psi_z = self._psi(z).detach()
+            psi_z = psi_z.detach()
             W = W.detach()
 
         def predict(x):
@@ -639,4 +693,4 @@ class ClassificationKernel(RBF):
     def __repr__(self):
         return (f"ClassificationKernel(length_scale={self.length_scale!r}, "
                 f"amplitude={self.amplitude!r}, penultimate_layer={self.penultimate_layer!r}, "
-                f"delta={self.delta!r})")
+                f"delta={self.delta!r}, inducing_features={self.inducing_features!r})")

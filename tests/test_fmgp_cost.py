@@ -1,0 +1,157 @@
+"""FMGP's cost structure: what each training step runs, and that it changes no number.
+
+* the training rows' network outputs ``g(x)`` and features ``psi(x)``, computed once
+  (``FMGPPosterior.cached_rows``), give the same minibatch losses and gradients as a
+  forward pass per step (``FEATURE_CACHE_BYTES = 0``), to float64 round-off;
+* with the cache and free inducing features (the default) the Adam loop runs no
+  network pass at all; with ``inducing_features="network"`` it runs one per step at
+  ``Z`` (and none at the minibatch);
+* free inducing features start at ``psi(Z)``: the kernel of the rows ``[z, psi(z)]``
+  equals the kernel of the inputs ``z`` (the ``"network"`` form), and the fitted
+  ``inducing_inputs_`` / ``inducing_features_`` split them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import sklearn_lla._posteriors.fmgp as fmgp_mod
+import sklearn_lla._posteriors.gp as gp_mod
+from sklearn_lla import FMGPClassifier, FMGPRegressor
+from sklearn_lla.kernels import ClassificationKernel
+
+F64 = torch.float64
+CALLS = {"rows": 0}
+
+
+class _Counted(nn.Module):
+    """A float64 tanh MLP that counts the rows it is evaluated on."""
+
+    def __init__(self, d_in, d_out, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.body = nn.Sequential(nn.Linear(d_in, 16), nn.Tanh())
+        self.head = nn.Linear(16, d_out)
+        self.double()
+
+    def forward(self, x):
+        CALLS["rows"] += x.shape[0]
+        return self.head(self.body(x))
+
+
+def _data(task, n=230, seed=0):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, 3))
+    if task == "regression":
+        return X, np.sin(X[:, 0]) + 0.1 * rng.normal(size=n)
+    return X, (X[:, 0] + 0.5 * X[:, 1] > 0).astype(int) + (X[:, 2] > 1).astype(int)
+
+
+def _record(monkeypatch, n_batches=4):
+    """Replace the engine's Adam loop by: loss and gradients on ``n_batches`` batches at
+    the starting state (no step taken), the rows the network saw meanwhile, then one
+    real step so that ``fit`` completes."""
+    real = gp_mod.minimize
+    out = {}
+
+    def fake(loss_fn, params, batches, **kw):
+        losses, grads = [], []
+        CALLS["rows"] = 0
+        for _ in range(n_batches):
+            for p in params:
+                p.grad = None
+            loss = loss_fn(next(batches))
+            loss.backward()
+            with torch.no_grad():  # no step, but a new version, as after a step
+                for p in params:
+                    p.add_(0.0)
+            losses.append(float(loss.detach()))
+            grads.append([p.grad.detach().clone() if p.grad is not None else None
+                          for p in params])
+        out.update(losses=losses, grads=grads, rows=CALLS["rows"])
+        kw.update(max_iter=1, early_stopping=False, validation=None)
+        return real(loss_fn, params, batches, **kw)
+
+    monkeypatch.setattr(gp_mod, "minimize", fake)
+    return out
+
+
+def _fit(task, monkeypatch, *, budget=None, **kw):
+    if budget is not None:
+        monkeypatch.setattr(fmgp_mod, "FEATURE_CACHE_BYTES", budget)
+    X, y = _data(task)
+    cls = FMGPRegressor if task == "regression" else FMGPClassifier
+    net = _Counted(3, 1 if task == "regression" else 3)
+    rec = _record(monkeypatch)
+    est = cls(net, n_inducing=9, batch_size=50, random_state=0, device="cpu", **kw).fit(X, y)
+    monkeypatch.undo()
+    return est, rec
+
+
+@pytest.mark.parametrize("task,kernel", [("regression", None), ("classification", "free"),
+                                         ("classification", "network")])
+def test_cached_rows_give_the_per_step_losses_and_gradients(monkeypatch, task, kernel):
+    # learned inducing pairs (not the classifier's default): the loop then differentiates
+    # at Z, through the network when psi is tied to it
+    kw = {} if kernel is None else {"kernel": ClassificationKernel(inducing_features=kernel),
+                                    "learn_inducing": True}
+    cached, rec_c = _fit(task, monkeypatch, **kw)
+    per_step, rec_s = _fit(task, monkeypatch, budget=0, **kw)
+    assert cached.posterior_.cached_rows == 230 and per_step.posterior_.cached_rows == 0
+    # early stopping's rule of diminishing returns: classification only
+    assert cached.posterior_.progress_tol == (0.0 if task == "regression"
+                                              else fmgp_mod.PROGRESS_TOL)
+    # float64 network: the cache holds the very numbers a forward pass of the batch
+    # gives, up to the row blocking of the matrix products (round-off)
+    np.testing.assert_allclose(rec_c["losses"], rec_s["losses"], rtol=1e-12)
+    for gc, gs in zip(rec_c["grads"], rec_s["grads"]):
+        assert len(gc) == len(gs)
+        for a, b in zip(gc, gs):
+            assert (a is None) == (b is None)
+            if a is not None:
+                np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-10,
+                                           atol=1e-12 * float(b.abs().max()))
+    # what the loop ran: per step a forward pass of the batch (50 rows) without the
+    # cache; with it none, unless psi is tied to the network at Z (9 rows per step)
+    at_z = 9 if kernel == "network" else 0
+    assert rec_s["rows"] == 4 * (50 + at_z)
+    assert rec_c["rows"] == 4 * at_z
+    # the fits agree (the same batches, the same steps)
+    X, _ = _data(task, 40, seed=1)
+    out_c = cached.predict(X, return_std=True) if task == "regression" else \
+        cached.predict_proba(X)
+    out_s = per_step.predict(X, return_std=True) if task == "regression" else \
+        per_step.predict_proba(X)
+    np.testing.assert_allclose(np.asarray(out_c), np.asarray(out_s), rtol=1e-8)
+
+
+def test_free_inducing_features_start_at_the_network_and_split_when_fitted():
+    X, y = _data("classification")
+    net = _Counted(3, 3)
+    clf = FMGPClassifier(net, n_inducing=9, max_iter=30, early_stopping=False, device="cpu",
+                         learn_inducing=True, random_state=0).fit(X, y)
+    k = clf.kernel_
+    assert k.inducing_features == "free"
+    Z, cz = torch.as_tensor(clf.inducing_inputs_), torch.as_tensor(clf.inducing_outputs_)
+    F = clf.inducing_features_.shape[1]
+    assert clf.inducing_inputs_.shape == (9, 3) and F == 16
+    # the lift starts each inducing point at psi(z): the two forms give one kernel
+    lifted = k.lift_inducing(Z)
+    assert lifted.shape == (9, 3 + F)
+    with torch.no_grad():
+        psi = net.body(Z)
+    np.testing.assert_allclose(lifted[:, 3:].numpy(), psi.numpy(), rtol=1e-14)
+    np.testing.assert_allclose(k.gram(lifted, cz).detach().numpy(),
+                               k.gram(Z, cz).detach().numpy(), rtol=1e-13)
+    Xq = torch.as_tensor(X[:7])
+    np.testing.assert_allclose(k.cross(Xq, lifted, cz).detach().numpy(),
+                               k.cross(Xq, Z, cz).detach().numpy(), rtol=1e-13)
+    # the fitted psi_m moved away from psi(z_m) (they are learned)
+    assert not np.allclose(clf.inducing_features_, psi.numpy(), rtol=1e-3)
+    with pytest.raises(ValueError, match="inducing_features"):
+        FMGPClassifier(net, kernel=ClassificationKernel(inducing_features="nope"),
+                       device="cpu").fit(X, y)
+
