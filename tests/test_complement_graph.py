@@ -578,3 +578,17 @@ def test_subspace_residual_check_reads_the_complements_trace(cnn_cases, monkeypa
     monkeypatch.setattr(subspace, "_ggn_trace", lambda *a: pytest.fail("a second pass"))
     again = SubspaceLaplaceClassifier(module, **kw).fit(X.astype(np.float64), y)
     assert again.residual_excess_ == pytest.approx(est.residual_excess_, rel=1e-12)
+
+
+def test_pickled_estimator_rebuilds_the_complements_factors(cnn_cases):
+    """An estimator with a graph-net KFAC complement pickles (a Jacobian backend never
+    does: the complement drops its layer factors and rebuilds them from the network)
+    and predicts exactly as before."""
+    import pickle
+
+    X, y, Xt, net = cnn_cases["classification"]
+    est = ELLAClassifier(net, n_nystrom=40, n_components=4, device="cpu",
+                         random_state=0).fit(X, y)
+    assert est.residual_correction_ == "kfac"
+    back = pickle.loads(pickle.dumps(est))
+    np.testing.assert_array_equal(back.predict_proba(Xt), est.predict_proba(Xt))

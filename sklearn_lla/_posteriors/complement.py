@@ -230,12 +230,25 @@ class KFACComplement:
         ``tr GGN`` (exact, unit noise) of all training rows.
     """
 
+    @property
+    def source(self):
+        """The layer factors of the network's Jacobian backend (rebuilt after
+        unpickling: a backend is never pickled, its network rebuilds it)."""
+        if self.__dict__.get("_source") is None:
+            self._source = layer_factors(self.lin)
+        return self._source
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_source"] = None
+        return state
+
     def __init__(self, lin, data, Q, sums=None):
         if not supports_kfac_complement(lin):
             raise ValueError("the KFAC complement needs the structured or graph Jacobian "
                              "backend")
         self.lin = lin
-        self.source = layer_factors(lin)
+        self._source = layer_factors(lin)
         self.regression = data.likelihood.task == "regression"
         bs = min(data.batch_size, 1024)
         out = data.reduce(_kfac_pass, (lin, data.likelihood), bs) if sums is None else sums
