@@ -1,0 +1,135 @@
+"""Per-layer pieces of the graph backend: which modules it linearises and their
+Jacobian row blocks from a layer's input and back-propagated signal.
+
+:mod:`~sklearn_lla._network.backends.graph` records the inputs and signals; the
+functions here turn them into row blocks (and, for the KFAC complement,
+:mod:`~sklearn_lla._posteriors.kfac_layers`, into the unfolded patches they share).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..structured.jacobian import LayerFactor
+
+__all__ = ["SUPPORTED", "conv_patches", "layer_blocks"]
+
+#: The module types whose parameters the graph backend linearises.
+SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d)
+
+
+def _module_issue(m: nn.Module) -> str | None:
+    """Why a module holding linearised parameters is not supported (``None``: it is)."""
+    if type(m) not in SUPPORTED:
+        return f"it is a {type(m).__name__}"
+    if isinstance(m, (nn.Conv1d, nn.Conv2d)):
+        if m.groups != 1:
+            return "grouped convolution"
+        if m.padding_mode != "zeros":
+            return f"padding_mode={m.padding_mode!r}"
+        if (isinstance(m.padding, str) and m.padding != "valid"
+                and any(d * (k - 1) % 2 for d, k in zip(m.dilation, m.kernel_size))):
+            return "asymmetric 'same' padding"
+    if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)) and (
+            m.running_mean is None or m.running_var is None):
+        return "BatchNorm without running statistics (batch statistics in eval mode)"
+    return None
+
+
+def _padding(m) -> tuple:
+    if isinstance(m.padding, str):
+        if m.padding == "valid":
+            return (0,) * len(m.kernel_size)
+        return tuple(d * (k - 1) // 2 for d, k in zip(m.dilation, m.kernel_size))
+    return tuple(m.padding)
+
+
+class _Layer:
+    """A module holding linearised parameters: where it is and which of its names."""
+
+    def __init__(self, path: str, module: nn.Module, weight: str | None, bias: str | None):
+        self.path = path
+        self.kind = type(module).__name__
+        self.weight_name = weight
+        self.bias_name = bias
+
+    def names(self) -> list[str]:
+        return [n for n in (self.weight_name, self.bias_name) if n is not None]
+
+
+def conv_patches(mod: nn.Module, a: Tensor) -> Tensor:
+    """The unfolded input patches of a ``Conv1d`` / ``Conv2d``, ``(B, L, in * kernel)``
+    (columns in the order of ``weight.reshape(out, -1)``).
+
+    Parameters
+    ----------
+    mod : nn.Conv1d or nn.Conv2d
+    a : Tensor of shape (B, in, ...)
+        The module's input.
+
+    Returns
+    -------
+    Tensor of shape (B, L, in * prod(kernel_size))
+    """
+    if isinstance(mod, nn.Conv1d):
+        a2 = a.unsqueeze(2)
+        ks, dil, pad, st = ((1, mod.kernel_size[0]), (1, mod.dilation[0]),
+                            (0, _padding(mod)[0]), (1, mod.stride[0]))
+    else:
+        a2, ks, dil, pad, st = a, mod.kernel_size, mod.dilation, _padding(mod), mod.stride
+    return F.unfold(a2, ks, dilation=dil, padding=pad, stride=st).transpose(1, 2)
+
+
+def layer_blocks(layer: _Layer, mod: nn.Module, a: Tensor, d: Tensor, k: int,
+                  cache: dict | None = None):
+    """``(factor, dense)``: a :class:`LayerFactor` or ``{name: (n_rows, numel)}``.
+
+    ``a``: the module's input ``(B, ...)``; ``d``: the signal at its output,
+    ``(B * k, ...)``; ``cache``: keeps what depends on ``a`` only (unfolded patches,
+    normalised inputs) between calls for the same input.
+    """
+    cache = {} if cache is None else cache
+    B = a.shape[0]
+    n_rows = d.shape[0]
+    if isinstance(mod, nn.Linear):
+        if a.ndim == 2:
+            return LayerFactor(d, a, layer.weight_name, layer.bias_name), {}
+        o, i = d.shape[-1], a.shape[-1]
+        dv = d.reshape(B, k, -1, o)
+        av = a.reshape(B, -1, i)
+        out = {}
+        if layer.weight_name:
+            out[layer.weight_name] = torch.einsum("bkto,bti->bkoi", dv, av).reshape(n_rows, o * i)
+        if layer.bias_name:
+            out[layer.bias_name] = dv.sum(2).reshape(n_rows, o)
+        return None, out
+    out = {}
+    if isinstance(mod, (nn.Conv1d, nn.Conv2d)):
+        o = d.shape[1]
+        dv = d.reshape(n_rows, o, -1)
+        if layer.weight_name:
+            patches = cache.get("patches")
+            if patches is None:
+                patches = conv_patches(mod, a)
+                cache["patches"] = patches
+            gw = torch.bmm(dv.reshape(B, k * o, -1), patches)
+            out[layer.weight_name] = gw.reshape(n_rows, -1)
+        if layer.bias_name:
+            out[layer.bias_name] = dv.sum(-1)
+        return None, out
+    # BatchNorm in eval mode
+    ch = d.shape[1]
+    dv = d.reshape(B, k, ch, -1)
+    if layer.weight_name:
+        xhat = cache.get("xhat")
+        if xhat is None:
+            shape = (1, ch) + (1,) * (a.ndim - 2)
+            xhat = (a - mod.running_mean.view(shape)) * torch.rsqrt(
+                mod.running_var.view(shape) + mod.eps)
+            cache["xhat"] = xhat
+        out[layer.weight_name] = (dv * xhat.reshape(B, 1, ch, -1)).sum(-1).reshape(n_rows, ch)
+    if layer.bias_name:
+        out[layer.bias_name] = dv.sum(-1).reshape(n_rows, ch)
+    return None, out
