@@ -80,12 +80,9 @@ def cached_problem(name, cache):
     return out
 
 
-def gaussian_nll(y, mean, var):
-    """Mean Gaussian NLL."""
-    return float(np.mean(0.5 * np.log(2 * np.pi * var) + 0.5 * (y - mean) ** 2 / var))
-
-
 def run(name, N, methods, situations, cache):
+    from sklearn_lla.metrics import gaussian_nll
+
     Xtr, ytr, Xte, yte, net = cached_problem(name, cache)
     X, y = Xtr[:N], ytr[:N]
     Xv, yv, Xq, yq = Xte[:N_VAL], yte[:N_VAL], Xte[N_VAL:], yte[N_VAL:]
@@ -109,18 +106,18 @@ def run(name, N, methods, situations, cache):
                 continue
             dt = time.perf_counter() - t0
             mean, std = est.predict(Xq, return_std=True)
-            mean, var = np.asarray(mean, float).ravel(), np.asarray(std, float).ravel() ** 2
+            mean, std = np.asarray(mean, float).ravel(), np.asarray(std, float).ravel()
             s2 = float(np.ravel(est.noise_variance_)[0])
-            epi = float(np.mean(var - s2))
+            epi = float(np.mean(std ** 2 - s2))
             if label == "exact":
                 exact_epi[sit] = epi
             rows.append([sit, label, f"{float(est.prior_variance_):.4g}", f"{s2:.4g}",
-                         f"{epi / exact_epi[sit]:.3g}", f"{gaussian_nll(yq, mean, var):.4f}",
-                         f"{gaussian_nll(yq, raw, np.full_like(raw, s2)):.4f}", f"{dt:.1f}"])
+                         f"{epi / exact_epi[sit]:.3g}", f"{gaussian_nll(yq, mean, std):.4f}",
+                         f"{gaussian_nll(yq, raw, np.sqrt(s2)):.4f}", f"{dt:.1f}"])
             print(f"[{name} N={N}]", rows[-1], flush=True)
     head = (f"### {name}, N = {N:,} (P = {n_params:,}; raw network with the held-out "
             f"residual variance {s2_val:.4g}: test NLL "
-            f"{gaussian_nll(yq, raw, np.full_like(raw, s2_val)):.4f})")
+            f"{gaussian_nll(yq, raw, np.sqrt(s2_val)):.4f})")
     return head + "\n\n" + markdown_table(
         ["situation", "method", "prior variance", "noise variance",
          "epistemic / exact LLA's", "test NLL", "raw net NLL at this noise", "fit (s)"], rows)
