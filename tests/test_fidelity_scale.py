@@ -102,7 +102,7 @@ def _dense_outside_log_det(comp, c):
     P = comp.Q.shape[1]
     eye = torch.eye(P, dtype=torch.float64)
     probe = copy.copy(comp)
-    probe.Q, probe._cache, probe.scale = eye, {}, 1.0
+    probe.Q, probe._cache, probe._rot, probe.scale = eye, {}, None, 1.0
     tau = 1.0
     H = torch.linalg.inv(probe._pieces(tau)[-1]) - tau * eye  # (H + tau I)^-1 -> H
     H = comp.scale * 0.5 * (H + H.T)

@@ -413,18 +413,15 @@ class KFACComplement:
         W, wd = self._weights(tau)
         U = Ud = QSQ = None
         if self.Q is not None:
-            Qd = self.lin.unflatten(self.Q)
-            QSQ = torch.zeros((len(self.Q), len(self.Q)), dtype=_F64, device=self.Q.device)
-            U = []
-            for blk, (_, Ug, _, Ua), w in zip(self.blocks, self.eig, W):
-                Y = Ug.T @ blk.to_matrix(Qd) @ Ua  # (K, out, in'), rotated
-                Yw = Y * w
-                U.append(Yw)
-                QSQ += Y.reshape(len(Y), -1) @ Yw.reshape(len(Y), -1).T
+            _, Qt = self._rotated()  # Q in the eigenbases, once for every tau
+            K, start, U = len(self.Q), 0, []
+            for w in W:
+                U.append(Qt[:, start:start + w.numel()].reshape(K, *w.shape) * w)
+                start += w.numel()
             if self.diag_names:
-                X = self._diag_matrix(Qd)
-                Ud = X * wd
-                QSQ += X @ Ud.T
+                Ud = Qt[:, start:] * wd
+            w_all = torch.cat([w.reshape(-1) for w in W] + [wd.reshape(-1)])
+            QSQ = (Qt * w_all) @ Qt.T
             QSQ = 0.5 * (QSQ + QSQ.T)
         if len(self._cache) > 64:
             self._cache.clear()
