@@ -226,19 +226,8 @@ def _regressors():
 
 
 def _mapie(net, X_fit, cal, tests):
+    from calibration import NetRegressor  # the prefit wrapper of the calibration runs
     from mapie.regression import SplitConformalRegressor
-    from sklearn.base import BaseEstimator, RegressorMixin
-
-    class NetRegressor(RegressorMixin, BaseEstimator):
-        def __init__(self, net=None):
-            self.net = net
-
-        def fit(self, X, y=None):
-            self.n_features_in_ = np.asarray(X).shape[1]
-            return self
-
-        def predict(self, X):
-            return net_mean(self.net, X)
 
     t = time.perf_counter()
     scr = SplitConformalRegressor(NetRegressor(net).fit(X_fit), confidence_level=LEVEL,
