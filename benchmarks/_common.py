@@ -290,7 +290,8 @@ def warning_summary(caught, width: int = 100):
     return [k + (f" (x{n})" if n > 1 else "") for k, n in counts.items()]
 
 
-_HYPERS = ("prior_variance_", "noise_variance_", "temperature_", "hyper_strategy_",
+_HYPERS = ("prior_variance_", "noise_variance_", "temperature_", "covariance_scale_",
+           "hyper_strategy_",
            "validation_source_", "n_iter_", "n_components_")
 
 

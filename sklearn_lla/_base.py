@@ -632,6 +632,7 @@ class LaplaceClassifierMixin(ClassifierMixin, ConformalClassifierMixin, _Laplace
 
     def _store_fitted(self, posterior):
         self.temperature_ = float(getattr(posterior.likelihood, "temperature", 1.0))
+        self.covariance_scale_ = float(getattr(posterior.likelihood, "covariance_scale", 1.0))
         super()._store_fitted(posterior)
 
     def predict_proba(self, X):

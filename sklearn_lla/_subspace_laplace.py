@@ -183,6 +183,10 @@ class SubspaceLaplace(_SubspaceMixin, _LaplaceBase):
         Candidates tried and their scores.
     temperature_ : float
         Temperature calibrated on held-out rows (classification only).
+    covariance_scale_ : float
+        Scale of the latent covariance calibrated on held-out rows (1.0 unless the
+        temperature alone left their NLL above the network's own; see
+        :func:`~sklearn_lla._core.calibration.calibrate_classification`).
     net_ : object
         The pretrained or trained network.
     linearized_net_ : LinearizedNet
@@ -294,6 +298,8 @@ class SubspaceLaplace(_SubspaceMixin, _LaplaceBase):
             self.noise_variance_ = float(posterior.likelihood.noise_variance)
         else:
             self.temperature_ = float(getattr(posterior.likelihood, "temperature", 1.0))
+            self.covariance_scale_ = float(getattr(posterior.likelihood, "covariance_scale",
+                                                   1.0))
         super()._store_fitted(posterior)
 
     def fit(self, X, y, validation_data=None):

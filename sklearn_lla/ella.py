@@ -296,6 +296,10 @@ class ELLAClassifier(_ELLAMixin, LaplaceClassifierMixin):
     temperature_ : float
         Temperature of the latent predictive calibrated on held-out rows (1.0 when
         there were none, or when it did not help out of fold).
+    covariance_scale_ : float
+        Scale of the latent covariance calibrated on held-out rows (1.0 unless the
+        temperature alone left their NLL above the network's own; see
+        :func:`~sklearn_lla._core.calibration.calibrate_classification`).
     net_ : object
         The pretrained or trained network.
     linearized_net_ : LinearizedNet

@@ -266,6 +266,10 @@ class LLAClassifier(_LLAMixin, LaplaceClassifierMixin):
     temperature_ : float
         Temperature of the latent predictive calibrated on held-out rows (1.0 when
         there were none, or when it did not help out of fold).
+    covariance_scale_ : float
+        Scale of the latent covariance calibrated on held-out rows (1.0 unless the
+        temperature alone left their NLL above the network's own; see
+        :func:`~sklearn_lla._core.calibration.calibrate_classification`).
     log_marginal_likelihood_ : float or None
         Laplace evidence at the chosen prior variance (when computed).
     space_ : str

@@ -345,6 +345,10 @@ class FMGPClassifier(_FMGPMixin, LaplaceClassifierMixin):
         ``(step, objective)`` at each check.
     temperature_ : float
         The temperature calibrated on held-out rows (1 without them).
+    covariance_scale_ : float
+        Scale of the latent covariance calibrated on held-out rows (1.0 unless the
+        temperature alone left their NLL above the network's own; see
+        :func:`~sklearn_lla._core.calibration.calibrate_classification`).
     hyper_strategy_ : str
         ``"variational"`` or ``"fixed"``.
     hyper_trace_ : dict

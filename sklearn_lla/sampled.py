@@ -337,6 +337,10 @@ class SampledLLAClassifier(_SampledMixin, LaplaceClassifierMixin):
         ``gamma`` estimated from the final samples.
     temperature_ : float
         Temperature of the latent predictive (1 unless fitted on held-out rows).
+    covariance_scale_ : float
+        Scale of the latent covariance calibrated on held-out rows (1.0 unless the
+        temperature alone left their NLL above the network's own; see
+        :func:`~sklearn_lla._core.calibration.calibrate_classification`).
     n_iter_ : ndarray of int
         Iterations (conjugate-gradient iterations or Adam steps) of each E-step.
     hyper_strategy_ : str

@@ -426,6 +426,10 @@ class VaLLAClassifier(_VaLLAMixin, LaplaceClassifierMixin):
         ``s0^2``.
     temperature_ : float
         The temperature of the predictive (1 unless calibrated on held-out rows).
+    covariance_scale_ : float
+        Scale of the latent covariance calibrated on held-out rows (1.0 unless the
+        temperature alone left their NLL above the network's own; see
+        :func:`~sklearn_lla._core.calibration.calibrate_classification`).
     inducing_inputs_ : ndarray of shape (n_inducing, n_features_flat)
         The inducing inputs ``Z`` (flattened inputs).
     inducing_outputs_ : ndarray of shape (n_inducing,)

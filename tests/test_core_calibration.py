@@ -9,6 +9,9 @@
 * noise: residuals drawn from ``N(0, v_i + s2)`` with known latent variances ``v_i``: the
   calibrated ``s2`` is the maximum-likelihood value (checked against a fine brute-force
   grid) and close to the truth;
+* scale of the latent covariance (classification): applied only where the temperature
+  cannot bring the held-out NLL within tolerance of the network's own, and then the
+  largest scale that does;
 * scale of a rescalable posterior: the closed-form ``c`` equals the answer of the
   85-point grid (plus 11 refinements) it replaced, to that grid's resolution, and the
   two-evaluation form :func:`rescaled_nll` gives its NLL.
@@ -23,6 +26,7 @@ import pytest
 import torch
 
 from sklearn_lla._core.calibration import (
+    calibrate_classification,
     calibrate_noise,
     calibrate_scale,
     calibrate_temperature,
@@ -132,6 +136,46 @@ def test_temperature_lower_end_is_a_cap_warned_only_when_it_binds():
     p = Categorical(3).with_temperature(T).predict(z, moderate)
     np.testing.assert_allclose(p, torch.softmax(z, -1), rtol=1e-6)
     assert trace["best_score"] == pytest.approx(net_nll, rel=1e-5)
+
+
+def test_covariance_scale_only_where_the_temperature_is_not_enough():
+    """The spread too wide for the held-out rows (latent std 10, no errors): the
+    temperature stops at its cap with the NLL above the network's, so the latent
+    covariance is scaled by the largest ``c`` that brings it within tolerance (2 % more
+    spread does not), without a warning. A spread the temperature can take back
+    (v = 2): ``c = 1`` and the temperature's own result."""
+    import warnings
+
+    from sklearn_lla._core.hyper import HyperparameterWarning
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(600, 3, dtype=torch.float64, generator=g) * 4
+    y = z.argmax(-1)
+    eye = torch.eye(3, dtype=torch.float64)
+    broad = 100.0 * eye.expand(600, 3, 3).clone()
+    net_nll = float(-torch.log_softmax(z, -1).gather(1, y[:, None]).mean())
+    tol = max(0.005, 0.1 * net_nll)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HyperparameterWarning)
+        T, c, trace = calibrate_classification(Categorical(3), z, broad, y)
+    assert 1e-3 < c < 1 and trace["covariance_scale"] == c
+    lik = Categorical(3).with_temperature(T).with_covariance_scale(c)
+    nll = float(-lik.log_predictive(z, broad, y).mean())
+    assert nll == pytest.approx(trace["best_score"], rel=1e-9)
+    assert nll - net_nll <= tol + 1e-9
+    wider_trace = calibrate_temperature(Categorical(3), z, broad * (1.02 * c), y,
+                                        warn=False)[1]
+    assert wider_trace["best_score"] - net_nll > tol
+    # the scale is the latent's: N(z, c S) tempered
+    np.testing.assert_allclose(lik.predict(z, broad),
+                               Categorical(3).with_temperature(T).predict(z, c * broad),
+                               rtol=1e-12)
+    moderate = 2.0 * eye.expand(600, 3, 3).clone()
+    T1, c1, trace1 = calibrate_classification(Categorical(3), z, moderate, y)
+    T0, trace0 = calibrate_temperature(Categorical(3), z, moderate, y)
+    assert c1 == 1.0 and T1 == T0 and "scale_search" not in trace1
+    with pytest.raises(ValueError, match="covariance_scale"):
+        Categorical(3).with_covariance_scale(0.0)
 
 
 def _rescaled_case(C, seed, shrink):

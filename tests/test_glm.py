@@ -347,6 +347,32 @@ def test_fixed_prior_with_held_out_rows_calibrates_only_the_noise(reg_data, reg_
     assert "calibration" not in est.hyper_trace_
 
 
+def test_classifier_covariance_scale_on_held_out_rows(clf_data, clf_net):
+    """Held-out rows twice as far out as the data, labelled by the network (so it is
+    right on all of them): the posterior's spread there is wider than the rows
+    support and the temperature's cap leaves their NLL above the network's own, so
+    the latent covariance is scaled down (``covariance_scale_ < 1``) by the largest
+    factor within tolerance, and ``predict_proba`` is the likelihood's at that scale
+    and temperature; on rows like the training data the scale stays 1."""
+    X, y = clf_data.X, clf_data.y
+    Xv = 2.0 * clf_data.X_test
+    yv = clf_net.predict(Xv)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HyperparameterWarning)
+        est = LLAClassifier(clf_net, device="cpu").fit(X, y, validation_data=(Xv, yv))
+    cal = est.hyper_trace_["calibration"]
+    c, T = est.covariance_scale_, est.temperature_
+    assert 1e-3 < c < 1 and cal["covariance_scale"] == c
+    tol = max(0.005, 0.1 * cal["network_nll"])
+    assert cal["best_score"] - cal["network_nll"] <= tol + 1e-9
+    lp = est.posterior_.predict(torch.as_tensor(Xv, dtype=torch.float64))
+    want = Categorical(3).with_temperature(T).predict(lp.mean, c * lp.cov)
+    np.testing.assert_allclose(est.predict_proba(Xv), want.numpy(), rtol=1e-10, atol=1e-12)
+    near = LLAClassifier(clf_net, device="cpu").fit(X, y, validation_data=(clf_data.X_test,
+                                                                          clf_data.y_test))
+    assert near.covariance_scale_ == 1.0
+
+
 @pytest.mark.parametrize("space", ["parameter", "function"])
 def test_classifier_temperature_on_held_out_rows(space, clf_data, clf_net):
     X, y, Xv, yv = clf_data.X, clf_data.y, clf_data.X_test, clf_data.y_test

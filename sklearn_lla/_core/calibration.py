@@ -17,7 +17,11 @@ covariance ``S(x)`` the posterior produced and moves one scalar:
   ``f ~ N(g(x), S(x))`` (temperature scaling, Guo et al. 2017, applied to the whole
   Laplace predictive). A temperature below 1 takes back spread without scaling any
   logit up: per point it is raised to the floor ``sqrt(1 - pi min_c v_c / 8)``
-  (:func:`~sklearn_lla._core.likelihoods.sharpening_floor`).
+  (:func:`~sklearn_lla._core.likelihoods.sharpening_floor`). Where that cap stops
+  the temperature with the held-out NLL still clearly above the network's own (the
+  posterior's spread wider than the held-out rows support), the latent covariance is
+  also **scaled down**, by the largest factor that brings the NLL within tolerance
+  (:func:`calibrate_classification`).
 
 The searched ones minimise the held-out NLL over a bounded interval and report a
 :class:`~sklearn_lla._core.hyper.HyperparameterWarning` when they end at a bound.
@@ -38,6 +42,7 @@ from .likelihoods import sharpening_floor
 
 __all__ = ["CALIBRATION_ROWS", "HeldOutLatent", "held_out_predictive", "calibrate_scale",
            "calibrate_noise", "calibrate_noise_refit", "calibrate_temperature",
+           "calibrate_classification",
            "gaussian_nll_curve", "rescaled_nll"]
 
 #: Held-out rows (at most) read by a calibration; beyond, a random subset this large
@@ -58,6 +63,13 @@ NOISE_REFIT_GRID = np.logspace(-3, 1, 41)
 
 #: Search interval of the temperature.
 TEMPERATURE_RANGE = (1e-2, 1e2)
+
+#: Smallest scale of the latent covariance :func:`calibrate_classification` may reach.
+COVARIANCE_SCALE_MIN = 1e-3
+
+#: Bisection steps of that scale in ``log c`` (the bracket ends ``1e3 ** (2 ** -10)``,
+#: 0.7 %, wide).
+COVARIANCE_SCALE_STEPS = 10
 
 #: Folds of the out-of-fold check that keeps a fitted temperature only where it helps.
 CALIBRATION_FOLDS = 5
@@ -416,6 +428,24 @@ def _sharpest_temperature(likelihood, mean, cov, eps, lo, hi):
         return math.exp(b), raw
 
 
+def _fit_temperature(likelihood, mean, cov, y, eps, rows):
+    """The held-out NLL's minimiser over ``[T_min, 100]`` on ``rows``:
+    ``(_bounded_log_search's result, T_min, the network's mean confidence)``."""
+    lo, hi = TEMPERATURE_RANGE
+    m, c, t = mean[rows], cov[rows], y[rows]
+    e = None if eps is None else eps[:, rows]
+
+    def nll(u):
+        lik = likelihood.with_temperature(math.exp(u))
+        with torch.no_grad():
+            return float(-lik.log_predictive(m, c, t, eps=e).mean())
+
+    # below every row's sharpening floor (each <= 1) nothing changes: the NLL is flat
+    lowest = max(lo, float(sharpening_floor(c).min()))
+    t_min, raw_conf = _sharpest_temperature(likelihood, m, c, e, lowest, hi)
+    return _bounded_log_search(nll, t_min, hi, "temperature"), t_min, raw_conf
+
+
 def calibrate_temperature(likelihood, mean, cov, y, *, eps=None, warn=True):
     """The temperature minimising the held-out NLL of the tempered predictive, if it helps.
 
@@ -451,18 +481,7 @@ def calibrate_temperature(likelihood, mean, cov, y, *, eps=None, warn=True):
     lo, hi = TEMPERATURE_RANGE
 
     def fit(rows):
-        m, c, t = mean[rows], cov[rows], y[rows]
-        e = None if eps is None else eps[:, rows]
-
-        def nll(u):
-            lik = likelihood.with_temperature(math.exp(u))
-            with torch.no_grad():
-                return float(-lik.log_predictive(m, c, t, eps=e).mean())
-
-        # below every row's sharpening floor (each <= 1) nothing changes: the NLL is flat
-        lowest = max(lo, float(sharpening_floor(c).min()))
-        t_min, raw_conf = _sharpest_temperature(likelihood, m, c, e, lowest, hi)
-        return _bounded_log_search(nll, t_min, hi, "temperature"), t_min, raw_conf
+        return _fit_temperature(likelihood, mean, cov, y, eps, rows)
 
     def nll_at(T, rows):
         e = None if eps is None else eps[:, rows]
@@ -517,5 +536,97 @@ def calibrate_temperature(likelihood, mean, cov, y, *, eps=None, warn=True):
              "out_of_fold_nll": oof_fit / n, "out_of_fold_nll_at_1": oof_one / n,
              "score_at_1": nll_at(1.0, everything) / n, "min_temperature": t_min,
              "raw_confidence": raw_conf, "n_rows": n, "network_nll": raw_nll,
-             "at_sharpening_limit": at_limit}
+             "at_sharpening_limit": at_limit, "at_upper_bound": bool(at_edge and u > 0)}
     return T, trace
+
+
+def _spread_gap(trace):
+    """``(held-out NLL - the network's own, the tolerance)`` of a temperature's trace."""
+    raw = trace["network_nll"]
+    return trace["best_score"] - raw, max(SHARPENING_GAP_ABS, SHARPENING_GAP_REL * raw)
+
+
+def calibrate_classification(likelihood, mean, cov, y, *, eps=None, warn=True):
+    """A temperature, and a scale of the latent covariance where a temperature is not enough.
+
+    First the temperature alone (:func:`calibrate_temperature`). When the held-out
+    NLL there is still above the network's own by more than ``max(0.005, 10 %)`` of
+    it, the posterior's spread is wider than the held-out rows support and no
+    temperature may take it back (the cap: the predictive no sharper than the
+    network). Then the latent covariance ``S(x)`` is multiplied by the **largest**
+    ``c`` in ``[COVARIANCE_SCALE_MIN, 1]`` at which the tempered predictive's held-out
+    NLL (temperature refitted) comes within that tolerance, found by bisection in
+    ``log c``. The scale only shrinks, and only as far as the rows ask: where the
+    temperature suffices (every case where the posterior's spread fits the held-out
+    rows) ``c = 1`` and the result is :func:`calibrate_temperature`'s; the criterion
+    cannot be won by deleting the posterior, since any smaller ``c`` that also meets
+    the tolerance is not taken.
+
+    Parameters
+    ----------
+    likelihood : Categorical or Bernoulli
+        The classification likelihood (its link approximation is used).
+    mean : Tensor of shape (n, C)
+    cov : Tensor of shape (n, C, C)
+    y : Tensor of shape (n,)
+        Class indices.
+    eps : Tensor, optional
+        Fixed standard normal draws for ``link_approx="mc"``.
+    warn : bool, default=True
+        Warn when the temperature ends at the upper bound of its range, or when the
+        scale ends at ``COVARIANCE_SCALE_MIN`` with the held-out NLL still above the
+        tolerance.
+
+    Returns
+    -------
+    temperature : float
+    covariance_scale : float
+    trace : dict
+        :func:`calibrate_temperature`'s trace at the chosen scale, with
+        ``"covariance_scale"`` and, when the scale was searched,
+        ``"scale_search"``: the scales tried and their held-out NLL gaps.
+    """
+    T, trace = calibrate_temperature(likelihood, mean, cov, y, eps=eps, warn=False)
+    gap, tol = _spread_gap(trace)
+    c = 1.0
+    if gap > tol:
+        everything = torch.arange(int(mean.shape[0]))
+        tried = []
+
+        def gap_at(u):
+            (_, val, *_), *_ = _fit_temperature(likelihood, mean, cov * math.exp(u), y, eps,
+                                                everything)
+            tried.append((math.exp(u), val - trace["network_nll"]))
+            return val - trace["network_nll"]
+
+        a, b = math.log(COVARIANCE_SCALE_MIN), 0.0
+        if gap_at(a) > tol:
+            b = a
+        else:  # gap(a) <= tol < gap(b): the largest scale within the tolerance
+            for _ in range(COVARIANCE_SCALE_STEPS):
+                mid = 0.5 * (a + b)
+                if gap_at(mid) <= tol:
+                    a = mid
+                else:
+                    b = mid
+            b = a
+        c = math.exp(b)
+        T, trace = calibrate_temperature(likelihood, mean, cov * c, y, eps=eps, warn=False)
+        trace["scale_search"] = {"covariance_scale": np.array([t[0] for t in tried]),
+                                 "nll_gap": np.array([t[1] for t in tried]), "tolerance": tol}
+        gap, tol = _spread_gap(trace)
+    trace["covariance_scale"] = c
+    if warn and trace["kept"] and trace["at_upper_bound"]:
+        warnings.warn(f"the temperature calibrated on the held-out rows is at the upper bound "
+                      f"{TEMPERATURE_RANGE[1]:g} of its range: the predictive is near uniform; "
+                      "check that the held-out labels are the network's classes",
+                      HyperparameterWarning, stacklevel=3)
+    if warn and gap > tol:
+        warnings.warn(
+            f"on these {trace['n_rows']} held-out rows the calibrated predictive's NLL, "
+            f"{trace['best_score']:.4f}, stays above the network's own, "
+            f"{trace['network_nll']:.4f}, with the latent covariance scaled down to "
+            f"covariance_scale_ = {c:.3g} and temperature_ = {T:.3g}: check that the "
+            "held-out rows come from the training distribution and that the network's "
+            "outputs are its logits", HyperparameterWarning, stacklevel=3)
+    return T, c, trace

@@ -303,6 +303,11 @@ class _ClassLikelihood(Likelihood):
     expectations are those of the untempered model: the posterior is the network's,
     ``T`` is calibrated afterwards on held-out rows
     (:meth:`sklearn_lla._core.protocol.Posterior.calibrate`).
+
+    ``covariance_scale`` ``c`` (default 1) multiplies the latent covariance before the
+    temperature: the predictive is that of ``f / T`` with ``f ~ N(mean, c cov)``. It is
+    calibrated on held-out rows only where no temperature brings their NLL near the
+    network's own (:func:`sklearn_lla._core.calibration.calibrate_classification`).
     """
 
     task = "classification"
@@ -313,11 +318,14 @@ class _ClassLikelihood(Likelihood):
         self.link_approx = link_approx
         self.n_samples = int(n_samples)
         self.temperature = 1.0
+        self.covariance_scale = 1.0
 
     def _params(self):
         params = {"link_approx": self.link_approx, "n_samples": self.n_samples}
         if self.temperature != 1.0:
             params["temperature"] = self.temperature
+        if getattr(self, "covariance_scale", 1.0) != 1.0:
+            params["covariance_scale"] = self.covariance_scale
         return params
 
     def with_temperature(self, temperature: float):
@@ -330,7 +338,20 @@ class _ClassLikelihood(Likelihood):
         lik.temperature = float(temperature)
         return lik
 
+    def with_covariance_scale(self, scale: float):
+        """A copy whose latent covariance is multiplied by ``scale`` (> 0)."""
+        if not (np.isfinite(scale) and scale > 0):
+            raise ValueError(f"covariance_scale must be finite and > 0, got {scale!r}")
+        import copy
+
+        lik = copy.copy(self)
+        lik.covariance_scale = float(scale)
+        return lik
+
     def _tempered(self, mean, cov):
+        c = getattr(self, "covariance_scale", 1.0)  # pickles from before it existed
+        if c != 1.0:
+            cov = cov * c
         T = getattr(self, "temperature", 1.0)  # pickles from before temperatures existed
         if T == 1.0:
             return mean, cov

@@ -402,9 +402,10 @@ class Posterior(abc.ABC):
         ``(s0^2, s2)`` (closed form), or, under a fixed prior variance, for a posterior
         that :attr:`refits_noise`, the noise variance with the posterior refitted;
         otherwise the noise variance alone. Classification (when ``temperature``): a
-        temperature of the latent predictive. See :mod:`sklearn_lla._core.calibration`.
-        ``self.likelihood`` is replaced and ``self.hyper_trace["calibration"]`` records
-        the search.
+        temperature of the latent predictive, and a scale of its covariance where the
+        temperature cannot bring the held-out NLL near the network's own. See
+        :mod:`sklearn_lla._core.calibration`. ``self.likelihood`` is replaced and
+        ``self.hyper_trace["calibration"]`` records the search.
 
         Parameters
         ----------
@@ -469,8 +470,9 @@ class Posterior(abc.ABC):
             if uses_mc_link(lik):
                 gen = generator if generator is not None else torch.Generator().manual_seed(0)
                 eps = torch.randn((lik.n_samples, *mean.shape), dtype=mean.dtype, generator=gen)
-            T, trace = cal.calibrate_temperature(lik, mean, cov, y, eps=eps)
-            self.likelihood = lik.with_temperature(T)
-            latent = cal.HeldOutLatent(rows, mean, cov)  # a temperature leaves the latent
+            T, c, trace = cal.calibrate_classification(lik, mean, cov, y, eps=eps)
+            self.likelihood = lik.with_temperature(T).with_covariance_scale(c)
+            # the likelihood applies both: the latent the rows were read at is unchanged
+            latent = cal.HeldOutLatent(rows, mean, cov)
         self.hyper_trace = {**(self.hyper_trace or {}), "calibration": trace}
         return latent
