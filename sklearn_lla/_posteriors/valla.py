@@ -31,6 +31,7 @@ with ``M`` tangents (as ELLA's predict).
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 import torch
@@ -68,6 +69,75 @@ START_ELEMENTS = 1 << 22
 KFAC_MAX_WORK = 10_000_000
 #: Relative jitter of ``Kzz`` in the optimal factor of :meth:`VaLLAPosterior.start`.
 START_JITTER = 1e-6
+#: Largest number of float64 elements (``N C (M + C + 1)``) of the per-row kernel
+#: matrices a fit keeps (:class:`RowCache`, 128 MiB): with ``Z`` fixed, a training row's
+#: ``Kxz``, ``Kxx`` and ``g(x)`` are computed once per fit, not once per epoch.
+ROW_CACHE_ELEMENTS = 1 << 24
+
+
+class RowCache:
+    """A fit's per-training-row kernel matrices at a fixed ``Z``, filled as rows come.
+
+    With ``Z`` fixed, the NTK of a training row against the inducing pairs is the
+    prior variance times a constant of the fit: ``Kxz = s0^2 J(x) J_Z^T``, ``Kxx =
+    s0^2 J(x) J(x)^T``. The cache keeps ``J(x) J_Z^T`` (``C x M``), ``J(x) J(x)^T``
+    (``C x C``) and the network's output ``g(x)`` of every row already evaluated --
+    by :meth:`VaLLAPosterior.start` on its rows, or by a training step the first
+    time the row is in a minibatch -- and a step computes only its rows not yet
+    there. The values are those the step would compute (the same products, in the
+    same dtypes), so the optimisation is unchanged; the cost of an epoch after the
+    first is the ``M x M`` algebra alone. It lives for one fit (dropped at its end).
+
+    Parameters
+    ----------
+    n, n_outputs, n_inducing : int
+        ``N``, ``C``, ``M``.
+    device : torch.device
+    """
+
+    def __init__(self, n, n_outputs, n_inducing, device):
+        C, M = int(n_outputs), int(n_inducing)
+        self.Kxz = torch.zeros((n, C, M), dtype=_F64, device=device)
+        self.Kxx = torch.zeros((n, C, C), dtype=_F64, device=device)
+        self.mean = torch.zeros((n, C), dtype=_F64, device=device)
+        self.done = torch.zeros(n, dtype=torch.bool, device=device)
+        self._pinned = None
+
+    @staticmethod
+    def fits(n, n_outputs, n_inducing):
+        """Whether ``n`` rows fit :data:`ROW_CACHE_ELEMENTS`."""
+        return n * n_outputs * (n_inducing + n_outputs + 1) <= ROW_CACHE_ELEMENTS
+
+    def put(self, idx, Kxz, Kxx, mean):
+        """Store rows ``idx`` (units of ``s0^2``)."""
+        t = torch.as_tensor(np.asarray(idx), device=self.done.device)
+        self.Kxz[t], self.Kxx[t], self.mean[t] = Kxz, Kxx, mean
+        self.done[t] = True
+
+    def pin(self, x, idx):
+        """Mark the minibatch tensor ``x`` as training rows ``idx``."""
+        self._pinned = (weakref.ref(x), x._version,
+                        torch.as_tensor(np.asarray(idx), device=self.done.device))
+
+    def rows_of(self, x):
+        """The training rows of the pinned ``x`` (unmodified), else ``None``."""
+        pinned = self._pinned
+        if pinned is not None and pinned[0]() is x and pinned[1] == x._version:
+            return pinned[2]
+        return None
+
+    def fill(self, x, t, compute):
+        """``(Kxz, Kxx, g)`` of rows ``t`` (the points of ``x``); ``compute(x_sub)``
+        gives ``(Kxz, Kxx, g)`` of rows not stored yet."""
+        todo = ~self.done[t]
+        if bool(todo.any()):
+            sel = torch.nonzero(todo).flatten()
+            kxz, kxx, g = compute(x[sel.to(x.device)])
+            rows = t[sel]
+            self.Kxz[rows], self.Kxx[rows], self.mean[rows] = kxz, kxx, g
+            self.done[rows] = True
+        return self.Kxz[t], self.Kxx[t], self.mean[t]
+
 
 class NTKKernel(Kernel):
     """The scaled NTK ``s0^2 J_c(x) J_c'(z)^T`` over (input, output index) pairs.
@@ -133,20 +203,41 @@ class NTKKernel(Kernel):
 
     def cross_and_diag(self, x, z, cz):
         """``(cross(x, z, cz), diag_blocks(x))`` sharing the work on ``x``."""
-        G, blocks = self.lin.cross_and_diag(x, self._z_rows(z, cz), self.n_outputs)
+        G, blocks = self.unit_cross_and_diag(x, z, cz)
         s0 = self._s0()
         return s0 * G, s0 * blocks
+
+    def unit_cross_and_diag(self, x, z, cz):
+        """``(J(x) J_cz(Z)^T, J(x_b) J(x_b)^T)``: :meth:`cross_and_diag` over ``s0^2``.
+
+        With ``Z`` fixed the rows at ``Z`` are those of :meth:`_z_side` (computed
+        once while ``z`` is the same, unmodified tensor).
+        """
+        Fz = self._z_rows(z, cz) if z.requires_grad else self._z_side(z, cz)[0]
+        return self.lin.cross_and_diag(x, Fz, self.n_outputs)
 
     def batch(self, x, z, cz):
         """``(Kzz, Kxz, Kxx)`` for a training step, evaluating the network at ``Z`` once.
 
         When ``Z`` is not being learned (no gradient), its rows (factors or dense)
         and ``Kzz / s0^2`` are computed on the first step and reused while ``z`` and
-        ``cz`` are the same, unmodified tensors.
+        ``cz`` are the same, unmodified tensors; and when the minibatch ``x`` is
+        pinned to its training rows in a :class:`RowCache` (:attr:`row_cache`), the
+        rows' matrices come from there (each computed once per fit).
         """
         s0 = self._s0()
         Fz, Kzz = self._z_side(z, cz)
-        Kxz, Kxx = self.lin.cross_and_diag(x, Fz, self.n_outputs)
+        cache = self.__dict__.get("row_cache")
+        t = None if cache is None or z.requires_grad else cache.rows_of(x)
+        if t is None:
+            Kxz, Kxx = self.lin.cross_and_diag(x, Fz, self.n_outputs)
+        else:
+            def compute(xs):
+                kxz, kxx = self.lin.cross_and_diag(xs, Fz, self.n_outputs)
+                with torch.no_grad():
+                    return kxz, kxx, self.lin.forward(xs).double()
+
+            Kxz, Kxx, _ = cache.fill(x, t, compute)
         return s0 * Kzz, s0 * Kxz, s0 * Kxx
 
     def _z_side(self, z, cz):
@@ -166,6 +257,7 @@ class NTKKernel(Kernel):
     def __getstate__(self):
         state = dict(self.__dict__)
         state.pop("_z_cache", None)
+        state.pop("row_cache", None)
         return state
 
     def joint(self, x):
@@ -362,9 +454,10 @@ class VaLLAPosterior(ComplementMixin, FixedMeanGPPosterior):
         self.hyper_trace = {**self.hyper_trace, "kl": float(self._kl) + mean_kl,
                             "kl_covariance": float(self._kl), "kl_mean": mean_kl,
                             "start": self.start_trace}
-        for name in ("_Z_fit", "_cz_fit", "_chol1", "_v1"):
+        for name in ("_Z_fit", "_cz_fit", "_chol1", "_v1", "_row_cache"):
             self.__dict__.pop(name, None)
         self.kernel.__dict__.pop("_z_cache", None)
+        self.kernel.__dict__.pop("row_cache", None)
         self._complement = None
         kind = self.complement
         if kind == "auto":
@@ -385,6 +478,7 @@ class VaLLAPosterior(ComplementMixin, FixedMeanGPPosterior):
             self.hyper_trace["complement"] = {
                 "kind": "kfac", "outside_fraction": self._complement.outside_fraction,
                 "scale": self._complement.scale}
+        self.kernel.__dict__.pop("_z_cache", None)  # (the complement's rows at Z)
         return self
 
     def _prior_and_v(self, x):
@@ -432,6 +526,10 @@ class VaLLAPosterior(ComplementMixin, FixedMeanGPPosterior):
         """
         self._Z_fit, self._cz_fit = Z, cz  # what extra_loss evaluates the mean term at
         self._chol1 = self._v1 = None  # the fixed-Z constants of this fit
+        self._row_cache = None
+        if not Z.requires_grad and RowCache.fits(data.n_samples, data.n_outputs, Z.shape[0]):
+            self._row_cache = RowCache(data.n_samples, data.n_outputs, Z.shape[0], Z.device)
+        kernel.row_cache = self._row_cache
         if self.init == "identity":
             self.start_trace = {"init": "identity"}
             return
@@ -464,8 +562,9 @@ class VaLLAPosterior(ComplementMixin, FixedMeanGPPosterior):
         C, M, N, n = data.n_outputs, Z.shape[0], data.n_samples, len(idx)
         s0 = kernel.prior_variance
         with torch.no_grad():
-            Kzz = kernel.gram(Z, cz) / s0  # every kernel matrix in units of s0^2
-            Kxz, Kxx, mean, y = self._rows_matrices(data, kernel, Z, cz, idx, s0)
+            # every kernel matrix in units of s0^2
+            Kzz = kernel.gram(Z, cz) / s0 if Z.requires_grad else kernel._z_side(Z, cz)[1]
+            Kxz, Kxx, mean, y = self._rows_matrices(data, kernel, Z, cz, idx)
             eye = torch.eye(M, dtype=_F64, device=Kzz.device)
             Kj = subspace_gram(Kzz) if subspace else Kzz
             Lk = cholesky(
@@ -562,8 +661,7 @@ class VaLLAPosterior(ComplementMixin, FixedMeanGPPosterior):
             with torch.no_grad():
                 # in units of the kernel's prior variance now (the start has set it):
                 # K(s0_new) / s0_new, as Kzz / s0 above was K(s0) / s0
-                Kxz, Kxx, mean, y = self._rows_matrices(data, kernel, Z, cz, idx_mon,
-                                                        kernel.prior_variance)
+                Kxz, Kxx, mean, y = self._rows_matrices(data, kernel, Z, cz, idx_mon)
                 prior1 = (nystrom_blocks(Kxz, sub["Lk"]) if self.covariance == "subspace"
                           else Kxx)
             if eps is not None:
@@ -572,17 +670,42 @@ class VaLLAPosterior(ComplementMixin, FixedMeanGPPosterior):
         self._subset = dict(Kj=sub["Kj"], prior=prior1, Kxz=Kxz, mean=mean, y=y, eps=eps,
                             elik=sub["elik"], mean_kl=sub["mean_kl1"], n_total=data.n_samples)
 
-    def _rows_matrices(self, data, kernel, Z, cz, idx, s0):
-        """``(Kxz, Kxx) / s0^2``, ``g`` and ``y`` at training rows ``idx`` (no graph)."""
+    def _rows_matrices(self, data, kernel, Z, cz, idx):
+        """``(Kxz, Kxx) / s0^2``, ``g`` and ``y`` at training rows ``idx`` (no graph),
+        kept in the fit's :class:`RowCache` when there is one."""
         ys, Kxz, Kxx, means = [], [], [], []
         for i in range(0, len(idx), 256):
             x, y = data.rows(idx[i:i + 256])
-            kxz, kxx = kernel.cross_and_diag(x, Z, cz)
-            Kxz.append(kxz / s0)
-            Kxx.append(kxx / s0)
+            kxz, kxx = kernel.unit_cross_and_diag(x, Z, cz)
+            Kxz.append(kxz)
+            Kxx.append(kxx)
             means.append(self._mean(data.lin, x))
             ys.append(y)
-        return tuple(torch.cat(t) for t in (Kxz, Kxx, means, ys))
+        out = tuple(torch.cat(t) for t in (Kxz, Kxx, means, ys))
+        cache = kernel.__dict__.get("row_cache")
+        if cache is not None:
+            cache.put(idx, *out[:3])
+        return out
+
+    def training_batches(self, data, generator):
+        """The minibatches of :func:`~sklearn_lla._core.optim.minibatches` (the same
+        draws), each pinned to its training rows in the fit's :class:`RowCache` when
+        there is one (``Z`` fixed and the rows' matrices within
+        :data:`ROW_CACHE_ELEMENTS`)."""
+        cache = self.__dict__.get("_row_cache")
+        if cache is None or not hasattr(data, "minibatches"):
+            yield from super().training_batches(data, generator)
+            return
+        for x, y, idx in data.minibatches(self.batch_size, generator, with_index=True):
+            cache.pin(x, idx)
+            yield x, y
+
+    def _mean(self, lin, x):
+        cache = self.__dict__.get("_row_cache")
+        t = None if cache is None else cache.rows_of(x)
+        if t is not None and bool(cache.done[t].all()):
+            return cache.mean[t]
+        return super()._mean(lin, x)
 
     def monitor(self, kernel, Z, cz, L_raw, noise):
         """The objective on a fixed subset of the training rows, exactly (``Z`` fixed).

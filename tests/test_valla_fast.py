@@ -1,0 +1,103 @@
+"""VaLLA's fit-time shortcuts change its cost, never its result.
+
+* :class:`~sklearn_lla._posteriors.valla.RowCache`: with ``Z`` fixed a training row's
+  kernel matrices are computed once per fit; the fit with the cache equals the fit
+  without it (same steps, checks and predictive, to round-off) on a BatchNorm CNN
+  (graph backend, classification) and an MLP (structured backend, regression), and
+  evaluates each training row's Jacobian once instead of once per epoch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from sklearn_lla import VaLLAClassifier, VaLLARegressor
+from sklearn_lla._network.linearized import LinearizedNet
+from sklearn_lla._posteriors import valla as valla_mod
+
+
+def _cnn(seed=0):
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Unflatten(1, (1, 4, 4)), nn.Conv2d(1, 4, 3, padding=1),
+                        nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3))
+    with torch.no_grad():  # non-trivial running statistics
+        net[2].running_mean.uniform_(-0.2, 0.2)
+        net[2].running_var.uniform_(0.5, 1.5)
+    return net.eval()
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+
+
+def _count_rows(monkeypatch):
+    """Count the points whose Jacobian rows ``LinearizedNet.cross_and_diag`` evaluates."""
+    seen = {"rows": 0}
+    orig = LinearizedNet.cross_and_diag
+
+    def counted(self, x, rows, n_outputs):
+        seen["rows"] += int(x.shape[0])
+        return orig(self, x, rows, n_outputs)
+
+    monkeypatch.setattr(LinearizedNet, "cross_and_diag", counted)
+    return seen
+
+
+def _problem(kind):
+    rng = np.random.default_rng(0)
+    if kind == "cnn":
+        X = rng.uniform(0, 1, (150, 16)).astype(np.float32)
+        y = (X[:, :8].sum(1) > X[:, 8:].sum(1)).astype(int) + (X[:, 0] > 0.8)
+        est = VaLLAClassifier(_cnn(), n_inducing=9, max_iter=120, batch_size=20,
+                              validation_freq=20, random_state=0)
+        return est, X, y
+    X = rng.uniform(-2, 2, (150, 2))
+    y = np.sin(X[:, 0]) + 0.1 * rng.standard_normal(150)
+    est = VaLLARegressor(_mlp(), n_inducing=15, covariance="subspace", max_iter=120,
+                         batch_size=20, validation_freq=20, random_state=0)
+    return est, X, y
+
+
+def _fit(est, X, y, monkeypatch, *, cache, start_rows):
+    with monkeypatch.context() as m:
+        m.setattr(valla_mod, "START_ROWS", start_rows)
+        if not cache:
+            m.setattr(valla_mod, "ROW_CACHE_ELEMENTS", 0)
+        seen = _count_rows(m)
+        est.fit(X, y)
+    return est, seen["rows"]
+
+
+@pytest.mark.parametrize("kind", ["cnn", "mlp"])
+@pytest.mark.parametrize("start_rows", [40, 2000])
+def test_row_cache_leaves_the_fit_unchanged(kind, start_rows, monkeypatch):
+    """Cached and recomputed rows give the same fit; the cache evaluates each training
+    row at most once (steps fill the rows the start did not read)."""
+    est, X, y = _problem(kind)
+    a, rows_a = _fit(est, X, y, monkeypatch, cache=True, start_rows=start_rows)
+    b, rows_b = _fit(type(est)(**est.get_params()), X, y, monkeypatch, cache=False,
+                     start_rows=start_rows)
+    assert a.n_iter_ == b.n_iter_ and a.n_iter_ > len(X) // 20  # more than an epoch
+    sa, sb = np.array(a.stopping_scores_), np.array(b.stopping_scores_)
+    np.testing.assert_allclose(sa, sb, rtol=1e-9, atol=1e-12)
+    assert a.prior_variance_ == pytest.approx(b.prior_variance_, rel=1e-9)
+    if kind == "cnn":
+        np.testing.assert_allclose(a.predict_proba(X[:40]), b.predict_proba(X[:40]),
+                                   rtol=1e-7, atol=1e-10)
+    else:
+        ma, sda = a.predict(X[:40], return_std=True)
+        mb, sdb = b.predict(X[:40], return_std=True)
+        np.testing.assert_allclose(ma, mb, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(sda, sdb, rtol=1e-7, atol=1e-12)
+    # the start reads min(N, start_rows) rows and the monitor as many others (its
+    # check rows), the steps' rows come from the cache after their first visit
+    start = min(len(X), start_rows)
+    monitor = min(len(X) - start, start) if len(X) > start else 0
+    assert rows_a <= len(X) + monitor  # each row once (start / steps), monitor rows
+    assert rows_b >= start + monitor + 20 * a.n_iter_  # every step's batch
+    assert "row_cache" not in a.posterior_.kernel.__dict__
+    assert "_row_cache" not in a.posterior_.__dict__
