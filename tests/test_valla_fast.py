@@ -101,3 +101,41 @@ def test_row_cache_leaves_the_fit_unchanged(kind, start_rows, monkeypatch):
     assert rows_b >= start + monitor + 20 * a.n_iter_  # every step's batch
     assert "row_cache" not in a.posterior_.kernel.__dict__
     assert "_row_cache" not in a.posterior_.__dict__
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_auto_predictor_on_a_cnn_matches_the_structured_one(dtype):
+    """On a network whose rows have dense blocks (a CNN in the graph backend), the
+    ``"full"`` model predicts by the basis ``U = J_Z^T W^T`` (products in the network's
+    dtype): the latent covariance matches the float64 pairing of the stored inducing
+    rows (float32: to 1e-5 relative, float64: to round-off); the subspace model and
+    chains of ``nn.Linear`` keep the structured predictor."""
+    from sklearn_lla._posteriors.gp_algebra import latent_cov
+
+    rng = np.random.default_rng(1)
+    X = rng.uniform(0, 1, (120, 16))
+    y = rng.integers(0, 3, 120)
+    net = _cnn().to(dtype)
+    est = VaLLAClassifier(net, n_inducing=9, max_iter=20, random_state=0).fit(
+        X.astype(np.float32 if dtype == torch.float32 else np.float64), y)
+    post = est.posterior_
+    kernel = post.kernel
+    assert est.jacobian_backend_ == "graph"
+    M = post._Z.shape[0]
+    assert kernel.predictor_method(M, M) == "basis"
+    assert kernel.predictor_method(M, 2 * M) == "structured"
+    factor, _, _ = post.predictor_factor()
+    x = torch.as_tensor(X[:50], dtype=dtype)
+    covs = []
+    for method in ("auto", "structured"):
+        Kxx, V = kernel.predictor(post._Z, post._cz, factor, method=method)(x)
+        covs.append(latent_cov(Kxx.double(), V.double()))
+    var_a, var_s = (torch.diagonal(c, dim1=1, dim2=2) for c in covs)
+    assert float(var_s.min()) > 0
+    rtol = 1e-5 if dtype == torch.float32 else 1e-10
+    np.testing.assert_allclose(covs[0].numpy(), covs[1].numpy(), rtol=rtol,
+                               atol=rtol * float(var_s.max()))
+    mlp = VaLLARegressor(_mlp(), n_inducing=10, max_iter=20, random_state=0).fit(
+        X[:, :2], X[:, 0])
+    kern = mlp.posterior_.kernel
+    assert kern.predictor_method(10, 10) == "structured"

@@ -277,6 +277,40 @@ class NTKKernel(Kernel):
         theta = {n: p.unsqueeze(0) for n, p in lin.params.items()}
         return self._z_rows(z, cz, diff).matmul(theta)[:, 0].to(_F64)
 
+    def predictor_method(self, n_inducing, n_factor_rows):
+        """The method of :meth:`predictor` with ``method="auto"``.
+
+        ``"structured"`` pairs each point's ``C`` rows (``R = lin.row_elements()``
+        elements each) with the ``M`` stored rows in float64, about ``C R M`` per
+        point; ``"basis"`` pushes the factor's rows through ``J(x)`` as tangents in
+        the network's dtype, about ``P`` per tangent and point. ``"basis"`` when the
+        rows are not factored, or when ``C R > P`` (rows with dense blocks, as a
+        convolutional network's in the graph backend) and the factor is ``W`` alone
+        (``covariance="full"``: the prior block is ``Kxx``, which ``V V^T`` stays
+        well below away from the inducing inputs, so products in the network's
+        dtype cost no relative precision of the variance; the ``"subspace"`` model's
+        ``Qxx - V V^T`` can cancel to zero and stays float64). On the digits CNN
+        (P = 38,378, C = 10, M = 100; 1,080 points, one thread): 1.49 s CPU
+        structured, 1.15 s basis, variances within 1.3e-6 relative.
+
+        Parameters
+        ----------
+        n_inducing : int
+            ``M``.
+        n_factor_rows : int
+            Rows of the factor the predictor folds in (``M``, or ``2M`` with the
+            subspace model's ``chol(Kzz)^-1``).
+
+        Returns
+        -------
+        {"structured", "basis"}
+        """
+        lin = self.lin
+        if not lin.factored:
+            return "basis"
+        dense = self.n_outputs * lin.row_elements() > lin.n_params
+        return "basis" if dense and n_factor_rows == n_inducing else "structured"
+
     def predictor(self, z, cz, W, method="auto"):
         """``x -> (Kxx blocks, Kxz W^T)`` with everything about ``Z`` precomputed.
 
@@ -288,10 +322,10 @@ class NTKKernel(Kernel):
             ``A = W^T W``.
         method : {"auto", "structured", "basis"}, default="auto"
             ``"structured"``: the kernel against the stored inducing rows, kept as
-            the backend's compact factors (the default for backends with factored
-            rows: ``O(B C M width)`` per layer). ``"basis"``: ``U = J(Z)^T W^T``
-            (P x M) and ``Kxz W^T = s0^2 J(x) U`` by one forward pass with ``M``
-            tangents (``O(B P M)``; the default for other networks).
+            the backend's compact factors (``O(B C M width)`` per layer, float64).
+            ``"basis"``: ``U = J(Z)^T W^T`` (P x M) and ``Kxz W^T = s0^2 J(x) U`` by
+            one evaluation of ``J(x)`` with ``M`` tangents (``O(B P M)``, the
+            network's dtype). ``"auto"``: :meth:`predictor_method`.
 
         Returns
         -------
@@ -304,6 +338,8 @@ class NTKKernel(Kernel):
         s0 = float(torch.exp(self.log_prior_variance.detach()))
         W = W.detach().to(_F64)
         zin = self._z_input(z.detach())
+        if method == "auto":
+            method = self.predictor_method(z.shape[0], W.shape[0])
         if lin.factored and method != "basis":
             with torch.no_grad():
                 Fz = lin.rows(zin, cz)
@@ -320,8 +356,8 @@ class NTKKernel(Kernel):
         U = lin.gradient_rows_vjp(zin.to(lin.dtype), cz, W.T)  # K = M directions
 
         def predict(x):
-            _, jv = lin.jvp(x, U)
-            return s0 * lin.ntk_diag_blocks(x), s0 * jv.to(_F64)
+            _, jv, blocks = lin.jvp_and_ntk_diag(x, U)  # one evaluation of J(x)
+            return s0 * blocks, s0 * jv.to(_F64)
 
         return predict
 
