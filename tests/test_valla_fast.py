@@ -57,7 +57,11 @@ def _problem(kind):
         return est, X, y
     X = rng.uniform(-2, 2, (150, 2))
     y = np.sin(X[:, 0]) + 0.1 * rng.standard_normal(150)
-    est = VaLLARegressor(_mlp(), n_inducing=15, covariance="subspace", max_iter=120,
+    # "mlp": the subspace model alone; "mlp-kfac" / "mlp-diagonal": with a complement
+    # (fitted after the Adam loop from the cached rows)
+    cov = {"mlp": "subspace", "mlp-kfac": "subspace+kfac",
+           "mlp-diagonal": "subspace+diagonal"}[kind]
+    est = VaLLARegressor(_mlp(), n_inducing=15, covariance=cov, max_iter=120,
                          batch_size=20, validation_freq=20, random_state=0)
     return est, X, y
 
@@ -72,7 +76,7 @@ def _fit(est, X, y, monkeypatch, *, cache, start_rows):
     return est, seen["rows"]
 
 
-@pytest.mark.parametrize("kind", ["cnn", "mlp"])
+@pytest.mark.parametrize("kind", ["cnn", "mlp", "mlp-kfac", "mlp-diagonal"])
 @pytest.mark.parametrize("start_rows", [40, 2000])
 def test_row_cache_leaves_the_fit_unchanged(kind, start_rows, monkeypatch):
     """Cached and recomputed rows give the same fit; the cache evaluates each training

@@ -490,10 +490,10 @@ class VaLLAPosterior(ComplementMixin, FixedMeanGPPosterior):
         self.hyper_trace = {**self.hyper_trace, "kl": float(self._kl) + mean_kl,
                             "kl_covariance": float(self._kl), "kl_mean": mean_kl,
                             "start": self.start_trace}
-        for name in ("_Z_fit", "_cz_fit", "_chol1", "_v1", "_row_cache"):
+        for name in ("_Z_fit", "_cz_fit", "_chol1", "_v1"):
             self.__dict__.pop(name, None)
         self.kernel.__dict__.pop("_z_cache", None)
-        self.kernel.__dict__.pop("row_cache", None)
+        self.kernel.__dict__.pop("row_cache", None)  # (the complement reads it below)
         self._complement = None
         kind = self.complement
         if kind == "auto":
@@ -515,6 +515,7 @@ class VaLLAPosterior(ComplementMixin, FixedMeanGPPosterior):
                 "kind": "kfac", "outside_fraction": self._complement.outside_fraction,
                 "scale": self._complement.scale}
         self.kernel.__dict__.pop("_z_cache", None)  # (the complement's rows at Z)
+        self.__dict__.pop("_row_cache", None)
         return self
 
     def _prior_and_v(self, x):
