@@ -7,7 +7,10 @@ approximates that GP by the fixed-mean sparse variational GP of
 :mod:`sklearn_lla._posteriors.gp` (``M`` inducing pairs ``(z_m, c_m)`` and a triangular factor
 ``L``) and learns ``Z``, ``L``, ``log s0^2`` and ``log s2`` by minibatch Adam on the
 alpha-energy (alpha = 1), stopping early on the validation NLL. Nothing here touches
-more than one minibatch of the data per step, so a step costs the same for any N.
+more than one minibatch of the data per step, so a step costs the same for any N; with
+``Z`` fixed (the default), each training row's kernel matrices are computed once per
+fit and kept (:class:`RowCache`), so an epoch after the first costs only the ``M x M``
+algebra (on the digits CNN, 60 steps of 100 rows had recomputed 4.8 epochs of rows).
 
 The kernel (:class:`NTKKernel`) is evaluated by the network's Jacobian backend:
 
@@ -22,9 +25,10 @@ The kernel (:class:`NTKKernel`) is evaluated by the network's Jacobian backend:
   w.r.t. ``Z``) and the minibatch's ``J(x)`` in memory-bounded chunks.
 
 Prediction precomputes what depends only on the fitted state: the inducing factors
-for a backend with factored rows, or the parameter-space basis ``U = J(Z)^T W^T`` (P x M,
-``A = W^T W``) for the generic one, so ``Kxz W^T = s0^2 J(x) U`` is one forward pass
-with ``M`` tangents (as ELLA's predict).
+for a backend with compact factored rows, or the parameter-space basis ``U = J(Z)^T
+W^T`` (P x M, ``A = W^T W``) for the generic one and for rows with dense blocks (a
+convolutional network's; :meth:`NTKKernel.predictor_method`), so ``Kxz W^T = s0^2
+J(x) U`` is one evaluation of ``J(x)`` with ``M`` tangents (as ELLA's predict).
 """
 
 
