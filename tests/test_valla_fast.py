@@ -1,10 +1,13 @@
 """VaLLA's fit-time shortcuts change its cost, never its result.
 
-* :class:`~sklearn_lla._posteriors.valla.RowCache`: with ``Z`` fixed a training row's
-  kernel matrices are computed once per fit; the fit with the cache equals the fit
-  without it (same steps, checks and predictive, to round-off) on a BatchNorm CNN
-  (graph backend, classification) and an MLP (structured backend, regression), and
-  evaluates each training row's Jacobian once instead of once per epoch.
+* :class:`~sklearn_lla._posteriors.valla_cache.RowCache`: with ``Z`` fixed a training
+  row's kernel matrices are computed once per fit; the fit with the cache equals the
+  fit without it (same steps, checks and predictive, to round-off) on a BatchNorm CNN
+  (graph backend, classification) and an MLP (structured backend, regression, with
+  and without a complement), and evaluates each training row's Jacobian once instead
+  of once per epoch;
+* the ``"auto"`` predictor on a CNN (the basis ``J_Z^T W^T`` pushed through ``J(x)``)
+  against the structured one, in float32 and float64.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from torch import nn
 from sklearn_lla import VaLLAClassifier, VaLLARegressor
 from sklearn_lla._network.linearized import LinearizedNet
 from sklearn_lla._posteriors import valla as valla_mod
+from sklearn_lla._posteriors import valla_cache
 
 
 def _cnn(seed=0):
@@ -70,7 +74,7 @@ def _fit(est, X, y, monkeypatch, *, cache, start_rows):
     with monkeypatch.context() as m:
         m.setattr(valla_mod, "START_ROWS", start_rows)
         if not cache:
-            m.setattr(valla_mod, "ROW_CACHE_ELEMENTS", 0)
+            m.setattr(valla_cache, "ROW_CACHE_ELEMENTS", 0)
         seen = _count_rows(m)
         est.fit(X, y)
     return est, seen["rows"]

@@ -9,8 +9,9 @@ approximates that GP by the fixed-mean sparse variational GP of
 alpha-energy (alpha = 1), stopping early on the validation NLL. Nothing here touches
 more than one minibatch of the data per step, so a step costs the same for any N; with
 ``Z`` fixed (the default), each training row's kernel matrices are computed once per
-fit and kept (:class:`RowCache`), so an epoch after the first costs only the ``M x M``
-algebra (on the digits CNN, 60 steps of 100 rows had recomputed 4.8 epochs of rows).
+fit and kept (:class:`~sklearn_lla._posteriors.valla_cache.RowCache`), so an epoch
+after the first costs only the ``M x M`` algebra (on the digits CNN, 60 steps of 100
+rows had recomputed 4.8 epochs of rows).
 
 The kernel (:class:`NTKKernel`) is evaluated by the network's Jacobian backend:
 
@@ -35,7 +36,6 @@ J(x) U`` is one evaluation of ``J(x)`` with ``M`` tangents (as ELLA's predict).
 from __future__ import annotations
 
 import math
-import weakref
 
 import numpy as np
 import torch
@@ -54,6 +54,7 @@ from .gp_algebra import (
     torch_threads,
     variational_terms,
 )
+from .valla_cache import RowCache
 from .valla_complement import ComplementMixin
 
 __all__ = ["NTKKernel", "VaLLAPosterior"]
@@ -73,76 +74,6 @@ START_ELEMENTS = 1 << 22
 KFAC_MAX_WORK = 10_000_000
 #: Relative jitter of ``Kzz`` in the optimal factor of :meth:`VaLLAPosterior.start`.
 START_JITTER = 1e-6
-#: Largest number of float64 elements (``N C (M + C + 1)``) of the per-row kernel
-#: matrices a fit keeps (:class:`RowCache`, 128 MiB): with ``Z`` fixed, a training row's
-#: ``Kxz``, ``Kxx`` and ``g(x)`` are computed once per fit, not once per epoch.
-ROW_CACHE_ELEMENTS = 1 << 24
-
-
-class RowCache:
-    """A fit's per-training-row kernel matrices at a fixed ``Z``, filled as rows come.
-
-    With ``Z`` fixed, the NTK of a training row against the inducing pairs is the
-    prior variance times a constant of the fit: ``Kxz = s0^2 J(x) J_Z^T``, ``Kxx =
-    s0^2 J(x) J(x)^T``. The cache keeps ``J(x) J_Z^T`` (``C x M``), ``J(x) J(x)^T``
-    (``C x C``) and the network's output ``g(x)`` of every row already evaluated --
-    by :meth:`VaLLAPosterior.start` on its rows, or by a training step the first
-    time the row is in a minibatch -- and a step computes only its rows not yet
-    there. The values are those the step would compute (the same products, in the
-    same dtypes), so the optimisation is unchanged; the cost of an epoch after the
-    first is the ``M x M`` algebra alone. It lives for one fit (dropped at its end).
-
-    Parameters
-    ----------
-    n, n_outputs, n_inducing : int
-        ``N``, ``C``, ``M``.
-    device : torch.device
-    """
-
-    def __init__(self, n, n_outputs, n_inducing, device):
-        C, M = int(n_outputs), int(n_inducing)
-        self.Kxz = torch.zeros((n, C, M), dtype=_F64, device=device)
-        self.Kxx = torch.zeros((n, C, C), dtype=_F64, device=device)
-        self.mean = torch.zeros((n, C), dtype=_F64, device=device)
-        self.done = torch.zeros(n, dtype=torch.bool, device=device)
-        self._pinned = None
-
-    @staticmethod
-    def fits(n, n_outputs, n_inducing):
-        """Whether ``n`` rows fit :data:`ROW_CACHE_ELEMENTS`."""
-        return n * n_outputs * (n_inducing + n_outputs + 1) <= ROW_CACHE_ELEMENTS
-
-    def put(self, idx, Kxz, Kxx, mean):
-        """Store rows ``idx`` (units of ``s0^2``)."""
-        t = torch.as_tensor(np.asarray(idx), device=self.done.device)
-        self.Kxz[t], self.Kxx[t], self.mean[t] = Kxz, Kxx, mean
-        self.done[t] = True
-
-    def pin(self, x, idx):
-        """Mark the minibatch tensor ``x`` as training rows ``idx``."""
-        self._pinned = (weakref.ref(x), x._version,
-                        torch.as_tensor(np.asarray(idx), device=self.done.device))
-
-    def rows_of(self, x):
-        """The training rows of the pinned ``x`` (unmodified), else ``None``."""
-        pinned = self._pinned
-        if pinned is not None and pinned[0]() is x and pinned[1] == x._version:
-            return pinned[2]
-        return None
-
-    def fill(self, x, t, compute):
-        """``(Kxz, Kxx, g)`` of rows ``t`` (the points of ``x``); ``compute(x_sub)``
-        gives ``(Kxz, Kxx, g)`` of rows not stored yet."""
-        todo = ~self.done[t]
-        if bool(todo.any()):
-            sel = torch.nonzero(todo).flatten()
-            kxz, kxx, g = compute(x[sel.to(x.device)])
-            rows = t[sel]
-            self.Kxz[rows], self.Kxx[rows], self.mean[rows] = kxz, kxx, g
-            self.done[rows] = True
-        return self.Kxz[t], self.Kxx[t], self.mean[t]
-
-
 class NTKKernel(Kernel):
     """The scaled NTK ``s0^2 J_c(x) J_c'(z)^T`` over (input, output index) pairs.
 
@@ -732,7 +663,7 @@ class VaLLAPosterior(ComplementMixin, FixedMeanGPPosterior):
         """The minibatches of :func:`~sklearn_lla._core.optim.minibatches` (the same
         draws), each pinned to its training rows in the fit's :class:`RowCache` when
         there is one (``Z`` fixed and the rows' matrices within
-        :data:`ROW_CACHE_ELEMENTS`)."""
+        :data:`~sklearn_lla._posteriors.valla_cache.ROW_CACHE_ELEMENTS`)."""
         cache = self.__dict__.get("_row_cache")
         if cache is None or not hasattr(data, "minibatches"):
             yield from super().training_batches(data, generator)
