@@ -71,7 +71,7 @@ class ComplementMixin:
             outside, xs, lams, Us = 0.0, [], [], []
             for i in range(0, len(idx), 256):
                 x, _ = data.rows(idx[i:i + 256])
-                Kxz, Kxx = kernel.cross_and_diag(x, Z, cz)
+                Kxz, Kxx = self._training_cross_and_diag(x, idx[i:i + 256])
                 U = torch.linalg.solve_triangular(
                     chol, Kxz.reshape(-1, Kxz.shape[-1]).T, upper=False).T
                 R = (Kxx - (U @ U.T).reshape(x.shape[0], C, x.shape[0], C).diagonal(
@@ -189,13 +189,26 @@ class ComplementMixin:
                             warn=False)
             for i in range(0, len(idx), 256):
                 x, _ = data.rows(idx[i:i + 256])
-                Kxz, Kxx = kernel.cross_and_diag(x, Z, cz)
+                Kxz, Kxx = self._training_cross_and_diag(x, idx[i:i + 256])
                 tot = torch.diagonal(Kxx, dim1=1, dim2=2)
                 res = tot - torch.diagonal(nystrom_blocks(Kxz, chol), dim1=1, dim2=2)
                 rho = torch.where(tot > 0, res / torch.where(tot > 0, tot, 1.0), 0.0)
                 lam = self.likelihood.lam_factor(self._mean(lin, x))
                 comp.add_rows(lin, x, rho, lam)
         return comp.finish(len(idx), data.n_samples)
+
+    def _training_cross_and_diag(self, x, idx):
+        """``kernel.cross_and_diag(x, Z, cz)`` at training rows ``idx`` (the points of
+        ``x``): from the fit's :class:`~sklearn_lla._posteriors.valla.RowCache` when it
+        holds them all (the same products, scaled by the fitted ``s0^2``)."""
+        kernel = self.kernel
+        cache = self.__dict__.get("_row_cache")
+        if cache is not None:
+            t = torch.as_tensor(idx, device=cache.done.device)
+            if bool(cache.done[t].all()):
+                s0 = kernel._s0()
+                return s0 * cache.Kxz[t], s0 * cache.Kxx[t]
+        return kernel.cross_and_diag(x, self._Z, self._cz)
 
     def _noise_or_none(self):
         """``s2`` (regression) or ``None`` (classification), as the complement takes it."""
