@@ -7,9 +7,98 @@ from __future__ import annotations
 import torch
 
 from .._core.likelihoods import uses_mc_link
+from .._network.backends.base import device_budget
 from .._network.linearized import stack_flat
 
 _F64 = torch.float64
+
+#: Tensor elements of Jacobian rows one fit keeps (:class:`BatchRows`; CPU figure,
+#: scaled on a GPU by :func:`~sklearn_lla._network.backends.base.device_budget`):
+#: 512 MB of float32 rows. Batches beyond it are recomputed in every pass.
+ROW_STORE_ELEMENTS = 2**27
+
+
+class BatchRows:
+    """The Jacobian rows of one fit's training batches, made once and reused by its
+    data passes (the perturbations, the Nystrom sketch, every conjugate-gradient
+    iteration, the statistics).
+
+    Only for a backend whose rows are cheaper to multiply than to recompute and
+    compact enough to keep (the graph backend: per-layer factors, dense blocks only
+    for the small convolutional / BatchNorm layers), and only for in-memory data (a
+    dask pass runs on the workers). Every pass then costs two matrix products per
+    batch (``J V`` and ``J^T U``, in the network's dtype, as the backend's own
+    :meth:`jvp` / :meth:`vjp` compute them from the same rows) instead of one
+    forward, one batched backward pass and the rows' assembly, twice. The store
+    lives as long as the fit that made it (never shared between estimators).
+    Batches past :data:`ROW_STORE_ELEMENTS` are recomputed when needed.
+
+    Parameters
+    ----------
+    lin : LinearizedNet
+        The network.
+    budget : int
+        Most tensor elements kept.
+    """
+
+    def __init__(self, lin, budget: int) -> None:
+        self.lin = lin
+        self.budget = int(budget)
+        self.held = 0
+        self._rows: dict[int, object] = {}
+
+    @classmethod
+    def for_fit(cls, data) -> BatchRows | None:
+        """A store for ``data``'s batches, or ``None`` where the backend's own products
+        are used (any backend but the graph one, or dask data)."""
+        if data.is_dask or getattr(data.lin, "backend", None) != "graph":
+            return None
+        return cls(data.lin, device_budget(ROW_STORE_ELEMENTS, data.device))
+
+    @staticmethod
+    def _elements(R) -> int:
+        n = 0 if R.D is None else R.D.numel()
+        if R.factors is not None:
+            n += sum(f.delta.numel() + f.act.numel() for f in R.factors.layers)
+        return n + R.output.numel()
+
+    def get(self, i: int, x: torch.Tensor):
+        """Batch ``i``'s rows (all outputs, rows ``b * C + c``), made at its first use.
+
+        Parameters
+        ----------
+        i : int
+            The batch's position in :meth:`FitData.batches` (same batch size).
+        x : Tensor of shape (B, ...)
+            Its inputs.
+
+        Returns
+        -------
+        GraphRows
+        """
+        R = self._rows.get(i)
+        if R is not None and R.n_points == x.shape[0]:
+            return R
+        R = self.lin.rows(x)
+        n = self._elements(R)
+        if i not in self._rows and self.held + n <= self.budget:
+            self._rows[i] = R
+            self.held += n
+        return R
+
+    def jvp(self, i: int, x: torch.Tensor, T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(g, J T)`` of batch ``i`` as :meth:`LinearizedNet.jvp` for tangents ``T`` (K, P)."""
+        R = self.get(i, x)
+        lin = self.lin
+        jt = R.matmul(lin.unflatten(T.to(lin.dtype)))
+        return R.output, jt.view(R.n_points, -1, T.shape[0])
+
+    def vjp(self, i: int, x: torch.Tensor, cot: torch.Tensor) -> torch.Tensor:
+        """``sum_b J_b^T u_k[b]`` of batch ``i`` for cotangents ``(K, B, C)``, flat (K, P)."""
+        R = self.get(i, x)
+        lin = self.lin
+        U = cot.to(lin.dtype).permute(1, 2, 0).reshape(-1, cot.shape[0])
+        return stack_flat(R.vjp(U), lin.names)
 
 
 def _sample_cov(jz: torch.Tensor) -> torch.Tensor:
@@ -31,31 +120,39 @@ def _ggn_diag_sums(payload, batches):
 def _ggn_product_sums(payload, batches):
     """``(sum_n J_n^T Lam_n J_n t_m for every tangent t_m,)`` over ``batches``.
 
-    ``payload = (lin, lik, T)``, ``T`` of shape (M, P); returns a float64 (M, P)
-    tensor. The matrix-vector product of the E-step's conjugate gradients: one JVP
-    with ``M`` tangents and one VJP with ``M`` cotangents per batch.
+    ``payload = (lin, lik, T)`` or ``(lin, lik, T, store)``, ``T`` of shape (M, P),
+    ``store`` a :class:`BatchRows` or ``None``; returns a float64 (M, P) tensor. The
+    matrix-vector product of the E-step's conjugate gradients: one JVP with ``M``
+    tangents and one VJP with ``M`` cotangents per batch (from the batch's kept rows
+    with a ``store``).
     """
-    lin, lik, T = payload
+    lin, lik, T = payload[:3]
+    store = payload[3] if len(payload) > 3 else None
     out = torch.zeros(T.shape, dtype=_F64, device=T.device)
-    for x, _ in batches:
-        g, jt = lin.jvp(x, T)
+    for i, (x, _) in enumerate(batches):
+        g, jt = lin.jvp(x, T) if store is None else store.jvp(i, x, T)
         A = lik.lam_factor(g.to(_F64))
         ajt = torch.einsum("bcd,bck->bdk", A, jt.to(_F64))
         cot = torch.einsum("bcd,bdk->kbc", A, ajt)
-        out += stack_flat(lin.vjp(x, cot), lin.names).to(_F64)
+        if store is None:
+            out += stack_flat(lin.vjp(x, cot), lin.names).to(_F64)
+        else:
+            out += store.vjp(i, x, cot).to(_F64)
     return (out,)
 
 
 def _statistics_sums(payload, batches):
     """``(q, rss)`` over ``batches``: ``q_k = sum_n |A_n^T J_n z_k|^2`` for every sample
     (their mean is the effective dimension ``gamma``) and the residual sum of squares of
-    the linear model's mode (regression)."""
-    lin, lik, delta, Z, regression = payload
+    the linear model's mode (regression). ``payload = (lin, lik, delta, Z, regression)``
+    and optionally a :class:`BatchRows` store."""
+    lin, lik, delta, Z, regression = payload[:5]
+    store = payload[5] if len(payload) > 5 else None
     T = torch.cat([delta[None], Z])
     q = torch.zeros(Z.shape[0], dtype=_F64, device=Z.device)
     rss = 0.0
-    for x, y in batches:
-        g, jt = lin.jvp(x, T)
+    for i, (x, y) in enumerate(batches):
+        g, jt = lin.jvp(x, T) if store is None else store.jvp(i, x, T)
         g, jt = g.to(_F64), jt.to(_F64)
         A = lik.lam_factor(g)
         q += torch.einsum("bcd,bck->bdk", A, jt[..., 1:]).pow(2).sum((0, 1))

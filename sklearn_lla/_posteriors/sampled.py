@@ -76,6 +76,7 @@ from .._core.optim import Patience, minibatches, minimize
 from .._core.protocol import LatentPredictive, Posterior, validation_residuals
 from .._network.linearized import stack_flat
 from ._sampled_passes import (
+    BatchRows,
     _ggn_diag_sums,
     _ggn_product_sums,
     _sample_cov,
@@ -165,6 +166,9 @@ class _EStepState:
     q_solved : Tensor (k,) or None
         ``z_k^T G z_k`` of the samples the last conjugate-gradient E-step solved, from
         its residual (``None`` after an Adam E-step).
+    rows : BatchRows or None
+        The training batches' Jacobian rows, kept for this fit's full data passes
+        (:meth:`BatchRows.for_fit`; ``None``: the backend's products).
     """
 
     theta_hat: torch.Tensor
@@ -178,6 +182,7 @@ class _EStepState:
     precond: NystromPreconditioner | None = None
     precond_ref: tuple | None = None
     q_solved: torch.Tensor | None = None
+    rows: BatchRows | None = None
 
 
 class _HandGradient(torch.autograd.Function):
@@ -311,11 +316,14 @@ class SampledLLAPosterior(Posterior):
         S = torch.zeros((M, lin.n_params), dtype=_F64, device=data.device)
         gen = data.generator
         th = st.theta_hat[None]
-        for x, y in data.batches():
+        store = st.rows
+        for i, (x, y) in enumerate(data.batches()):
             eps = torch.randn((x.shape[0], K, C), dtype=_F64, generator=gen).to(data.device)
             if st.with_mode:
-                g, jt = lin.jvp(x, th)
+                g, jt = lin.jvp(x, th) if store is None else store.jvp(i, x, th)
                 g, jt = g.to(_F64), jt.to(_F64)[..., 0]
+            elif store is not None:
+                g = store.get(i, x).output.to(_F64)
             else:
                 g = lin.forward(x).to(_F64)
             A = lik.lam_factor(g)
@@ -323,13 +331,17 @@ class SampledLLAPosterior(Posterior):
             if st.with_mode:
                 m = torch.einsum("bcd,bd->bc", A, torch.einsum("bcd,bc->bd", A, jt))
                 cot = torch.cat([cot, (m + lik.grad(g, y))[None]])
-            S += stack_flat(lin.vjp(x, cot), lin.names).to(_F64)
+            if store is None:
+                S += stack_flat(lin.vjp(x, cot), lin.names).to(_F64)
+            else:
+                S += store.vjp(i, x, cot).to(_F64)
         return (S[:K], S[K]) if st.with_mode else (S, None)
 
-    def _statistics(self, data, lik, delta, Z):
+    def _statistics(self, data, lik, delta, Z, store=None):
         """One row-sum pass: the per-sample ``q_k`` (``gamma = mean(q)``, the
         function-space estimator) and the linear model's RSS."""
-        q, rss = data.reduce(_statistics_sums, (data.lin, lik, delta, Z, self._regression))
+        q, rss = data.reduce(_statistics_sums,
+                             (data.lin, lik, delta, Z, self._regression, store))
         return q, float(rss)
 
     def _sample_statistics(self, st, data, lik, k, rss=True):
@@ -342,9 +354,10 @@ class SampledLLAPosterior(Posterior):
         """
         if st.q_solved is not None and st.q_solved.shape[0] == k:
             if rss and self._regression:
-                return st.q_solved, self._statistics(data, lik, st.delta, st.Z[:0])[1]
+                return st.q_solved, self._statistics(data, lik, st.delta, st.Z[:0],
+                                                     st.rows)[1]
             return st.q_solved, 0.0
-        return self._statistics(data, lik, st.delta, st.Z[:k])
+        return self._statistics(data, lik, st.delta, st.Z[:k], st.rows)
 
     def _validation_noise(self, data):
         """Mean squared residual of the network on the validation rows."""
@@ -450,7 +463,7 @@ class SampledLLAPosterior(Posterior):
             rank = min(int(rank), data.n_samples * data.n_outputs, st.theta_hat.numel())
 
             def matvec(V):
-                (D,) = data.reduce(_ggn_product_sums, (data.lin, lik, V * sigma))
+                (D,) = data.reduce(_ggn_product_sums, (data.lin, lik, V * sigma, st.rows))
                 return sigma * D
 
             gen = torch.Generator().manual_seed(int(data.generator.initial_seed()) ^ 0x5EED)
@@ -477,7 +490,7 @@ class SampledLLAPosterior(Posterior):
             X = torch.cat([((st.theta_hat + st.delta) / sigma)[None], X])
 
         def op(V):
-            (D,) = data.reduce(_ggn_product_sums, (data.lin, lik, V * sigma))
+            (D,) = data.reduce(_ggn_product_sums, (data.lin, lik, V * sigma, st.rows))
             return V + sigma * D
 
         precond = self._preconditioner(st, data, lik, sigma)
@@ -645,7 +658,8 @@ class SampledLLAPosterior(Posterior):
             lik = lik.with_noise(s2)
         else:
             s2 = None
-        st = _EStepState(theta_hat, self._regression or strat.needs_mode)
+        st = _EStepState(theta_hat, self._regression or strat.needs_mode,
+                         rows=BatchRows.for_fit(data))
         st.eps0 = torch.randn((K, P), dtype=_F64, generator=data.generator).to(data.device)
         st.S, st.q = self._perturbation_pass(st, data, lik)
         st.delta = torch.zeros(P, dtype=_F64, device=data.device)
