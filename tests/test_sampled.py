@@ -594,7 +594,8 @@ def test_nystrom_preconditioned_cg(reg_data, reg_net, exact_reg):
 # ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_kept_rows_products_match_dense_jacobian(cnn_cases, dtype):
+def test_kept_rows_products_match_dense_jacobian(cnn_cases, dtype, monkeypatch):
+    from sklearn_lla._core.likelihoods import Categorical
     from sklearn_lla._network.linearized import LinearizedNet, stack_flat
     from sklearn_lla._posteriors._sampled_passes import BatchRows
 
@@ -602,28 +603,39 @@ def test_kept_rows_products_match_dense_jacobian(cnn_cases, dtype):
     x = torch.as_tensor(X[:25]).to(dtype)
     lin = LinearizedNet(copy.deepcopy(net.module_).to(dtype), example_input=x)
     assert lin.backend == "graph"
-    store = BatchRows(lin, budget=10**9)
+    lik = Categorical(3)
     g = torch.Generator().manual_seed(0)
     T = torch.randn(7, lin.n_params, dtype=torch.float64, generator=g)
     cot = torch.randn(7, 25, 3, dtype=torch.float64, generator=g)
     J = lin.jacobian(x).to(torch.float64)  # (B, C, P), torch.func
+    ref_jt = torch.einsum("bcp,kp->bck", J, T)
+    ref_vj = torch.einsum("bcp,kbc->kp", J, cot)
+    A = lik.lam_factor(lin.forward(x).to(torch.float64))
+    ref_ggn = torch.einsum("bcp,bcd,bed,bek->kp", J, A, A, ref_jt)
     tol = 1e-4 if dtype == torch.float32 else 1e-10
-    for _ in range(2):  # rows made at the first use, kept for the second
-        out, jt = store.jvp(0, x, T)
-        vj = store.vjp(0, x, cot)
-        ref_jt = torch.einsum("bcp,kp->bck", J, T)
-        ref_vj = torch.einsum("bcp,kbc->kp", J, cot)
-        assert torch.linalg.norm(jt.double() - ref_jt) <= tol * torch.linalg.norm(ref_jt)
-        assert torch.linalg.norm(vj.double() - ref_vj) <= tol * torch.linalg.norm(ref_vj)
-        np.testing.assert_allclose(out.double().numpy(), lin.forward(x).double().numpy(),
-                                   rtol=tol, atol=tol)
-    assert list(store._rows) == [0] and store.held > 0
+
+    def close(a, b):
+        return torch.linalg.norm(a.double() - b) <= tol * torch.linalg.norm(b)
+
+    for step in (None, 7):  # one chunk; chunks of 7 points (4 for 25 points)
+        if step is not None:
+            monkeypatch.setattr(lin.jacobian_backend, "kernel_step", lambda k, s=step: s)
+        store = BatchRows(lin, 3, budget=10**9)
+        for _ in range(2):  # rows made at the first use, kept for the second
+            out, jt = store.jvp(0, x, T)
+            vj = store.vjp(0, x, cot)
+            assert close(jt, ref_jt) and close(vj, ref_vj)
+            assert close(store.ggn_product(0, x, T, lik), ref_ggn)
+            np.testing.assert_allclose(out.double().numpy(), lin.forward(x).double().numpy(),
+                                       rtol=tol, atol=tol)
+        assert list(store._rows) == [0] and store.held > 0
+        assert len(store._rows[0]) == (1 if step is None else 4)
     # the same products as the backend's own (which make the same rows per call)
     ref = stack_flat(lin.vjp(x, cot), lin.names)
     assert torch.linalg.norm(vj - ref) <= 1e-6 * torch.linalg.norm(ref)
     # over budget: nothing kept, the same products
-    small = BatchRows(lin, budget=1)
-    assert torch.equal(small.vjp(0, x, cot), vj) and small.held == 0
+    small = BatchRows(lin, 3, budget=1)
+    assert torch.equal(small.vjp(0, x, cot), vj) and small.held == 0 and not small._rows
 
 
 @pytest.mark.parametrize("task", ["classification", "regression"])

@@ -26,26 +26,32 @@ class BatchRows:
     Only for a backend whose rows are cheaper to multiply than to recompute and
     compact enough to keep (the graph backend: per-layer factors, dense blocks only
     for the small convolutional / BatchNorm layers), and only for in-memory data (a
-    dask pass runs on the workers). Every pass then costs two matrix products per
-    batch (``J V`` and ``J^T U``, in the network's dtype, as the backend's own
-    :meth:`jvp` / :meth:`vjp` compute them from the same rows) instead of one
-    forward, one batched backward pass and the rows' assembly, twice. The store
-    lives as long as the fit that made it (never shared between estimators).
-    Batches past :data:`ROW_STORE_ELEMENTS` are recomputed when needed.
+    dask pass runs on the workers). A kept batch's pass costs two matrix products
+    (``J V`` and ``J^T U``, in the network's dtype, as the backend's own
+    :meth:`jvp` / :meth:`vjp` compute them from the same rows) instead of a forward
+    pass, a batched backward pass and the rows' assembly, twice. Rows are made in the
+    backend's chunks of points (:meth:`GraphBackend.kernel_step`), so that a batch
+    that is not kept (past :data:`ROW_STORE_ELEMENTS`) holds one chunk at a time and
+    a GGN product (:meth:`ggn_product`) makes its rows once per pass, not once for
+    the JVP and once for the VJP. The store lives as long as the fit that made it
+    (never shared between estimators).
 
     Parameters
     ----------
     lin : LinearizedNet
         The network.
+    n_outputs : int
+        ``C``.
     budget : int
         Most tensor elements kept.
     """
 
-    def __init__(self, lin, budget: int) -> None:
+    def __init__(self, lin, n_outputs: int, budget: int) -> None:
         self.lin = lin
+        self.n_outputs = int(n_outputs)
         self.budget = int(budget)
         self.held = 0
-        self._rows: dict[int, object] = {}
+        self._rows: dict[int, list] = {}
 
     @classmethod
     def for_fit(cls, data) -> BatchRows | None:
@@ -53,7 +59,7 @@ class BatchRows:
         are used (any backend but the graph one, or dask data)."""
         if data.is_dask or getattr(data.lin, "backend", None) != "graph":
             return None
-        return cls(data.lin, device_budget(ROW_STORE_ELEMENTS, data.device))
+        return cls(data.lin, data.n_outputs, device_budget(ROW_STORE_ELEMENTS, data.device))
 
     @staticmethod
     def _elements(R) -> int:
@@ -62,8 +68,8 @@ class BatchRows:
             n += sum(f.delta.numel() + f.act.numel() for f in R.factors.layers)
         return n + R.output.numel()
 
-    def get(self, i: int, x: torch.Tensor):
-        """Batch ``i``'s rows (all outputs, rows ``b * C + c``), made at its first use.
+    def chunks(self, i: int, x: torch.Tensor):
+        """Batch ``i``'s rows chunk by chunk, made at its first use.
 
         Parameters
         ----------
@@ -72,33 +78,65 @@ class BatchRows:
         x : Tensor of shape (B, ...)
             Its inputs.
 
-        Returns
-        -------
-        GraphRows
+        Yields
+        ------
+        start : int
+            The chunk's first point in the batch.
+        rows : GraphRows
+            Its rows (all outputs, rows ``b * C + c``).
         """
-        R = self._rows.get(i)
-        if R is not None and R.n_points == x.shape[0]:
-            return R
-        R = self.lin.rows(x)
-        n = self._elements(R)
-        if i not in self._rows and self.held + n <= self.budget:
-            self._rows[i] = R
+        kept = self._rows.get(i)
+        if kept is not None and sum(R.n_points for _, R in kept) == x.shape[0]:
+            yield from kept
+            return
+        step = self.lin.jacobian_backend.kernel_step(self.n_outputs)
+        parts, n = ([] if kept is None else None), 0
+        for s in range(0, x.shape[0], step):
+            R = self.lin.rows(x[s:s + step])
+            if parts is not None:
+                n += self._elements(R)
+                parts = parts + [(s, R)] if self.held + n <= self.budget else None
+            yield s, R
+        if parts is not None:
+            self._rows[i] = parts
             self.held += n
-        return R
 
     def jvp(self, i: int, x: torch.Tensor, T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(g, J T)`` of batch ``i`` as :meth:`LinearizedNet.jvp` for tangents ``T`` (K, P)."""
-        R = self.get(i, x)
-        lin = self.lin
-        jt = R.matmul(lin.unflatten(T.to(lin.dtype)))
-        return R.output, jt.view(R.n_points, -1, T.shape[0])
+        lin, K = self.lin, T.shape[0]
+        Td = lin.unflatten(T.to(lin.dtype))
+        gs, jts = [], []
+        for _, R in self.chunks(i, x):
+            gs.append(R.output)
+            jts.append(R.matmul(Td).view(R.n_points, -1, K))
+        return torch.cat(gs), torch.cat(jts)
 
     def vjp(self, i: int, x: torch.Tensor, cot: torch.Tensor) -> torch.Tensor:
-        """``sum_b J_b^T u_k[b]`` of batch ``i`` for cotangents ``(K, B, C)``, flat (K, P)."""
-        R = self.get(i, x)
-        lin = self.lin
-        U = cot.to(lin.dtype).permute(1, 2, 0).reshape(-1, cot.shape[0])
-        return stack_flat(R.vjp(U), lin.names)
+        """``sum_b J_b^T u_k[b]`` of batch ``i`` for cotangents ``(K, B, C)``: flat
+        (K, P), float64 (the chunks' products, in the network's dtype, added in float64)."""
+        lin, K = self.lin, cot.shape[0]
+        out = None
+        for s, R in self.chunks(i, x):
+            U = cot[:, s:s + R.n_points].to(lin.dtype).permute(1, 2, 0).reshape(-1, K)
+            part = stack_flat(R.vjp(U), lin.names).to(_F64)
+            out = part if out is None else out.add_(part)
+        return out
+
+    def ggn_product(self, i: int, x: torch.Tensor, T: torch.Tensor, lik) -> torch.Tensor:
+        """``sum_b J_b^T Lam_b J_b t_k`` over batch ``i`` for tangents ``T`` (K, P):
+        float64 (K, P), each chunk's rows used for both of its products."""
+        lin, K = self.lin, T.shape[0]
+        Td = lin.unflatten(T.to(lin.dtype))
+        out = None
+        for _, R in self.chunks(i, x):
+            b = R.n_points
+            jt = R.matmul(Td).view(b, -1, K)
+            A = lik.lam_factor(R.output.to(_F64))
+            ajt = torch.einsum("bcd,bck->bdk", A, jt.to(_F64))
+            U = torch.einsum("bcd,bdk->bck", A, ajt).to(lin.dtype).reshape(-1, K)
+            part = stack_flat(R.vjp(U), lin.names).to(_F64)
+            out = part if out is None else out.add_(part)
+        return out
 
 
 def _sample_cov(jz: torch.Tensor) -> torch.Tensor:
@@ -130,14 +168,14 @@ def _ggn_product_sums(payload, batches):
     store = payload[3] if len(payload) > 3 else None
     out = torch.zeros(T.shape, dtype=_F64, device=T.device)
     for i, (x, _) in enumerate(batches):
-        g, jt = lin.jvp(x, T) if store is None else store.jvp(i, x, T)
+        if store is not None:
+            out += store.ggn_product(i, x, T, lik)
+            continue
+        g, jt = lin.jvp(x, T)
         A = lik.lam_factor(g.to(_F64))
         ajt = torch.einsum("bcd,bck->bdk", A, jt.to(_F64))
         cot = torch.einsum("bcd,bdk->kbc", A, ajt)
-        if store is None:
-            out += stack_flat(lin.vjp(x, cot), lin.names).to(_F64)
-        else:
-            out += store.vjp(i, x, cot).to(_F64)
+        out += stack_flat(lin.vjp(x, cot), lin.names).to(_F64)
     return (out,)
 
 

@@ -323,7 +323,7 @@ class SampledLLAPosterior(Posterior):
                 g, jt = lin.jvp(x, th) if store is None else store.jvp(i, x, th)
                 g, jt = g.to(_F64), jt.to(_F64)[..., 0]
             elif store is not None:
-                g = store.get(i, x).output.to(_F64)
+                g = torch.cat([R.output for _, R in store.chunks(i, x)]).to(_F64)
             else:
                 g = lin.forward(x).to(_F64)
             A = lik.lam_factor(g)
@@ -334,7 +334,7 @@ class SampledLLAPosterior(Posterior):
             if store is None:
                 S += stack_flat(lin.vjp(x, cot), lin.names).to(_F64)
             else:
-                S += store.vjp(i, x, cot).to(_F64)
+                S += store.vjp(i, x, cot)
         return (S[:K], S[K]) if st.with_mode else (S, None)
 
     def _statistics(self, data, lik, delta, Z, store=None):
