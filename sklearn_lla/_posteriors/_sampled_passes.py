@@ -101,6 +101,10 @@ class BatchRows:
             self._rows[i] = parts
             self.held += n
 
+    def output(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """The network's outputs at batch ``i`` (B, C)."""
+        return torch.cat([R.output for _, R in self.chunks(i, x)])
+
     def jvp(self, i: int, x: torch.Tensor, T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(g, J T)`` of batch ``i`` as :meth:`LinearizedNet.jvp` for tangents ``T`` (K, P)."""
         lin, K = self.lin, T.shape[0]
@@ -139,6 +143,44 @@ class BatchRows:
         return out
 
 
+class BackendProducts:
+    """The backend's own products per call, with :class:`BatchRows`' methods (nothing
+    kept; the batch index is ignored).
+
+    Parameters
+    ----------
+    lin : LinearizedNet
+        The network.
+    """
+
+    def __init__(self, lin) -> None:
+        self.lin = lin
+
+    def output(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`LinearizedNet.forward`."""
+        return self.lin.forward(x)
+
+    def jvp(self, i: int, x: torch.Tensor, T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`LinearizedNet.jvp`."""
+        return self.lin.jvp(x, T)
+
+    def vjp(self, i: int, x: torch.Tensor, cot: torch.Tensor) -> torch.Tensor:
+        """:meth:`LinearizedNet.vjp`, flat (K, P) float64."""
+        return stack_flat(self.lin.vjp(x, cot), self.lin.names).to(_F64)
+
+    def ggn_product(self, i: int, x: torch.Tensor, T: torch.Tensor, lik) -> torch.Tensor:
+        """``sum_b J_b^T Lam_b J_b t_k`` over the batch: one JVP, one VJP (float64)."""
+        g, jt = self.lin.jvp(x, T)
+        A = lik.lam_factor(g.to(_F64))
+        ajt = torch.einsum("bcd,bck->bdk", A, jt.to(_F64))
+        return self.vjp(i, x, torch.einsum("bcd,bdk->kbc", A, ajt))
+
+
+def products(lin, store: BatchRows | None):
+    """``store``, or the backend's own products (:class:`BackendProducts`) without one."""
+    return BackendProducts(lin) if store is None else store
+
+
 def _sample_cov(jz: torch.Tensor) -> torch.Tensor:
     """``(1/K) sum_k (J z_k)(J z_k)^T`` per point from ``jz`` of shape (B, C, K)."""
     return torch.einsum("bck,bdk->bcd", jz, jz) / jz.shape[-1]
@@ -165,17 +207,10 @@ def _ggn_product_sums(payload, batches):
     with a ``store``).
     """
     lin, lik, T = payload[:3]
-    store = payload[3] if len(payload) > 3 else None
+    ops = products(lin, payload[3] if len(payload) > 3 else None)
     out = torch.zeros(T.shape, dtype=_F64, device=T.device)
     for i, (x, _) in enumerate(batches):
-        if store is not None:
-            out += store.ggn_product(i, x, T, lik)
-            continue
-        g, jt = lin.jvp(x, T)
-        A = lik.lam_factor(g.to(_F64))
-        ajt = torch.einsum("bcd,bck->bdk", A, jt.to(_F64))
-        cot = torch.einsum("bcd,bdk->kbc", A, ajt)
-        out += stack_flat(lin.vjp(x, cot), lin.names).to(_F64)
+        out += ops.ggn_product(i, x, T, lik)
     return (out,)
 
 
@@ -185,12 +220,12 @@ def _statistics_sums(payload, batches):
     the linear model's mode (regression). ``payload = (lin, lik, delta, Z, regression)``
     and optionally a :class:`BatchRows` store."""
     lin, lik, delta, Z, regression = payload[:5]
-    store = payload[5] if len(payload) > 5 else None
+    ops = products(lin, payload[5] if len(payload) > 5 else None)
     T = torch.cat([delta[None], Z])
     q = torch.zeros(Z.shape[0], dtype=_F64, device=Z.device)
     rss = 0.0
     for i, (x, y) in enumerate(batches):
-        g, jt = lin.jvp(x, T) if store is None else store.jvp(i, x, T)
+        g, jt = ops.jvp(i, x, T)
         g, jt = g.to(_F64), jt.to(_F64)
         A = lik.lam_factor(g)
         q += torch.einsum("bcd,bck->bdk", A, jt[..., 1:]).pow(2).sum((0, 1))

@@ -57,6 +57,8 @@ Antoran et al. (ICLR 2023), nothing ``P x P`` or ``NC x NC`` is ever formed:
 Memory is ``O(P K)`` (the samples, their perturbations and Adam's moments) plus one
 minibatch; time is ``O(max_iter)`` JVP/VJP pairs with ``K + 1`` tangents per E-step
 (the gradient is assembled by hand from one VJP: no autograd graph through them).
+On the graph backend a fit keeps its batches' Jacobian rows (within a budget,
+:class:`~sklearn_lla._posteriors._sampled_passes.BatchRows`) for all its full passes.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ from ._sampled_passes import (
     _sample_cov,
     _statistics_sums,
     _validation_nll_sums,
+    products,
 )
 
 __all__ = ["SampledLLAPosterior", "PRIOR_GRID", "NOISE_GRID", "G_PRIOR_FLOOR", "CG_MAX_BATCHES",
@@ -316,25 +319,20 @@ class SampledLLAPosterior(Posterior):
         S = torch.zeros((M, lin.n_params), dtype=_F64, device=data.device)
         gen = data.generator
         th = st.theta_hat[None]
-        store = st.rows
+        ops = products(lin, st.rows)
         for i, (x, y) in enumerate(data.batches()):
             eps = torch.randn((x.shape[0], K, C), dtype=_F64, generator=gen).to(data.device)
             if st.with_mode:
-                g, jt = lin.jvp(x, th) if store is None else store.jvp(i, x, th)
+                g, jt = ops.jvp(i, x, th)
                 g, jt = g.to(_F64), jt.to(_F64)[..., 0]
-            elif store is not None:
-                g = torch.cat([R.output for _, R in store.chunks(i, x)]).to(_F64)
             else:
-                g = lin.forward(x).to(_F64)
+                g = ops.output(i, x).to(_F64)
             A = lik.lam_factor(g)
             cot = torch.einsum("bcd,bkd->kbc", A, eps)
             if st.with_mode:
                 m = torch.einsum("bcd,bd->bc", A, torch.einsum("bcd,bc->bd", A, jt))
                 cot = torch.cat([cot, (m + lik.grad(g, y))[None]])
-            if store is None:
-                S += stack_flat(lin.vjp(x, cot), lin.names).to(_F64)
-            else:
-                S += store.vjp(i, x, cot)
+            S += ops.vjp(i, x, cot)
         return (S[:K], S[K]) if st.with_mode else (S, None)
 
     def _statistics(self, data, lik, delta, Z, store=None):
@@ -446,19 +444,14 @@ class SampledLLAPosterior(Posterior):
         return cut
 
     def _preconditioner(self, st, data, lik, sigma, start):
-        """The Nystrom preconditioner of ``I + sigma G sigma`` (``None`` when off) and,
-        when it is made now, ``sigma G sigma`` times the solver's ``start`` rows.
+        """``(preconditioner, products)``: the Nystrom preconditioner of ``I + sigma G
+        sigma`` (``None`` when off) and, when made now, ``sigma G sigma start``.
 
-        One sketch per fit (a data pass with ``r`` tangents, its own random stream so
-        that the perturbations and minibatches do not change), made at the first
-        conjugate-gradient E-step and rescaled afterwards: a new prior variance or
-        noise variance multiplies ``sigma G sigma`` by a scalar. The first E-step's
-        start (the whitened prior draws ``eps_0``, and the mode's start) is part of the
-        sketch's test matrix, the other ``r - k`` columns Gaussian
-        (:func:`~sklearn_lla._core.krylov.nystrom_preconditioner`'s ``include``), so
-        that the sketch's pass also gives conjugate gradients' initial residual: one
-        data pass of ``k`` tangents fewer per fit. Returns ``(preconditioner,
-        products or None)``.
+        One sketch per fit (a data pass with ``r`` tangents, its own random stream),
+        made at the first conjugate-gradient E-step and rescaled afterwards (a new
+        prior or noise variance multiplies ``sigma G sigma`` by a scalar). That
+        E-step's ``start`` (``eps_0``, and the mode's start) is in the test matrix
+        (``include``): the sketch's pass gives CG's initial residual, one pass fewer.
         """
         if self.preconditioner is None:
             return None, None
