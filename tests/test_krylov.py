@@ -54,3 +54,36 @@ def test_preconditioned_cg_solves_with_fewer_iterations():
     assert it_pcg < it_plain / 2
     # the recurrence's residual is the true one (what the E-step's gamma relies on)
     assert torch.linalg.norm(R - (B - op(plain))) <= 1e-12 * torch.linalg.norm(B)
+
+
+def test_sketch_including_the_start_gives_its_products():
+    # A sketch whose test matrix contains the solver's start X0 returns A X0 (no
+    # product of its own); the Nystrom approximation is exact on its test matrix's
+    # range, so it reproduces A on X0; conjugate gradients started from X0 with
+    # op(X0) = X0 + A X0 from the sketch run the same iterations.
+    A, B = _problem()
+    n = A.shape[0]
+    X0 = torch.randn(5, n, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    pre, AX = nystrom_preconditioner(lambda V: V @ A, n, 20, torch.Generator().manual_seed(2),
+                                     include=X0)
+    assert pre.rank == 20 and AX.shape == X0.shape
+    assert torch.linalg.norm(AX - X0 @ A) <= 1e-12 * torch.linalg.norm(X0 @ A)
+    rec = ((X0 @ pre.U) * pre.lam) @ pre.U.T
+    assert torch.linalg.norm(rec - X0 @ A) <= 1e-8 * torch.linalg.norm(X0 @ A)
+    M = torch.eye(n, dtype=torch.float64) + A
+
+    def op(V):
+        return V @ M
+
+    X1, it1, rel1, R1 = block_cg(op, B, X0.clone(), 1e-10, 1000, pre.apply)
+    X2, it2, rel2, R2 = block_cg(op, B, X0.clone(), 1e-10, 1000, pre.apply,
+                                 start_product=X0 + AX)
+    assert it1 == it2 and rel2 <= 1e-10
+    assert torch.linalg.norm(X2 - X1) <= 1e-10 * torch.linalg.norm(X1)
+    # more vectors than the rank: refused
+    try:
+        nystrom_preconditioner(lambda V: V @ A, n, 4, torch.Generator(), include=X0)
+    except ValueError as exc:
+        assert "more than the rank" in str(exc)
+    else:  # pragma: no cover
+        raise AssertionError("include with more vectors than the rank was accepted")

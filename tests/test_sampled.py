@@ -587,3 +587,102 @@ def test_nystrom_preconditioned_cg(reg_data, reg_net, exact_reg):
     np.testing.assert_allclose(e1.prior_variance_, e0.prior_variance_, rtol=1e-6)
     np.testing.assert_allclose(e1.noise_variance_, e0.noise_variance_, rtol=1e-6)
     assert e1.n_iter_.sum() < e0.n_iter_.sum() / 2
+
+
+# ---------------------------------------------------------------------------------
+# Graph backend (conv / BatchNorm nets): the training batches' rows are kept
+# ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kept_rows_products_match_dense_jacobian(cnn_cases, dtype, monkeypatch):
+    from sklearn_lla._core.likelihoods import Categorical
+    from sklearn_lla._network.linearized import LinearizedNet, stack_flat
+    from sklearn_lla._posteriors._sampled_passes import BatchRows
+
+    X, _, _, net = cnn_cases["classification"]
+    x = torch.as_tensor(X[:25]).to(dtype)
+    lin = LinearizedNet(copy.deepcopy(net.module_).to(dtype), example_input=x)
+    assert lin.backend == "graph"
+    lik = Categorical(3)
+    g = torch.Generator().manual_seed(0)
+    T = torch.randn(7, lin.n_params, dtype=torch.float64, generator=g)
+    cot = torch.randn(7, 25, 3, dtype=torch.float64, generator=g)
+    J = lin.jacobian(x).to(torch.float64)  # (B, C, P), torch.func
+    ref_jt = torch.einsum("bcp,kp->bck", J, T)
+    ref_vj = torch.einsum("bcp,kbc->kp", J, cot)
+    A = lik.lam_factor(lin.forward(x).to(torch.float64))
+    ref_ggn = torch.einsum("bcp,bcd,bed,bek->kp", J, A, A, ref_jt)
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+
+    def close(a, b):
+        return torch.linalg.norm(a.double() - b) <= tol * torch.linalg.norm(b)
+
+    for step in (None, 7):  # one chunk; chunks of 7 points (4 for 25 points)
+        if step is not None:
+            monkeypatch.setattr(lin.jacobian_backend, "kernel_step", lambda k, s=step: s)
+        store = BatchRows(lin, 3, budget=10**9)
+        for _ in range(2):  # rows made at the first use, kept for the second
+            out, jt = store.jvp(0, x, T)
+            vj = store.vjp(0, x, cot)
+            assert close(jt, ref_jt) and close(vj, ref_vj)
+            assert close(store.ggn_product(0, x, T, lik), ref_ggn)
+            np.testing.assert_allclose(out.double().numpy(), lin.forward(x).double().numpy(),
+                                       rtol=tol, atol=tol)
+        assert list(store._rows) == [0] and store.held > 0
+        assert len(store._rows[0]) == (1 if step is None else 4)
+    # the same products as the backend's own (which make the same rows per call)
+    ref = stack_flat(lin.vjp(x, cot), lin.names)
+    assert torch.linalg.norm(vj - ref) <= 1e-6 * torch.linalg.norm(ref)
+    # over budget: nothing kept, the same products
+    small = BatchRows(lin, 3, budget=1)
+    assert torch.equal(small.vjp(0, x, cot), vj) and small.held == 0 and not small._rows
+
+
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_kept_rows_fit_equals_backend_products(task, cnn_cases, monkeypatch):
+    # The kept rows change where the products come from, not what they are: a fit
+    # with them, one that keeps only some batches (budget) and one with the backend's
+    # per-pass products (no store) give the same samples to float32 rounding. Plain
+    # conjugate gradients (no sketch, so no initial residual from it) solve the same
+    # systems: the same samples to the tolerance.
+    from sklearn_lla._posteriors import _sampled_passes as sp
+
+    X, y, Xt, net = cnn_cases[task]
+    cls = SampledLLAClassifier if task == "classification" else SampledLLARegressor
+    kw = dict(n_posterior_samples=16, batch_size=20, random_state=0, device="cpu", tol=1e-7)
+    plain = cls(net, preconditioner=None, **kw).fit(X, y)
+    fits = [cls(net, **kw).fit(X, y)]
+    assert fits[0].hyper_trace_["optimisation"]["preconditioner_rank"] >= 16
+    rel = float(torch.linalg.norm(fits[0].posterior_.samples - plain.posterior_.samples)
+                / torch.linalg.norm(plain.posterior_.samples))
+    print(f"\n[kept rows {task}] Nystrom PCG vs plain CG: samples differ by {rel:.1e}")
+    assert rel < 1e-5
+    monkeypatch.setattr(sp, "ROW_STORE_ELEMENTS", 10_000)  # one batch of three (7,860 each)
+    fits.append(cls(net, **kw).fit(X, y))
+    monkeypatch.setattr(sp.BatchRows, "for_fit", classmethod(lambda c, data: None))
+    fits.append(cls(net, **kw).fit(X, y))
+    assert fits[0].jacobian_backend_ == "graph"
+    ref = fits[-1].posterior_.samples
+    for f in fits[:-1]:
+        rel = float(torch.linalg.norm(f.posterior_.samples - ref) / torch.linalg.norm(ref))
+        assert rel < 1e-5
+        np.testing.assert_allclose(f.prior_variance_, fits[-1].prior_variance_, rtol=1e-5)
+
+
+def test_cnn_classifier_against_exact(cnn_cases):
+    # On the tiny conv / BatchNorm / residual net (graph backend, kept rows, the
+    # sketch including the start) the samples' latent covariance is exact LLA's up to
+    # the Monte Carlo error of K = 256 samples (sqrt(2 / 256) = 0.09 per point).
+    from sklearn_lla import LLAClassifier
+
+    X, y, Xt, net = cnn_cases["classification"]
+    exact = LLAClassifier(net, prior_variance=0.5, space="parameter",
+                          device="cpu").fit(X, y)
+    est = SampledLLAClassifier(net, prior_variance=0.5, n_posterior_samples=256,
+                               random_state=0, device="cpu").fit(X, y)
+    assert est.jacobian_backend_ == "graph" and est.hyper_trace_["solver"] == "cg"
+    ve = np.trace(_cov(exact, Xt)[1], axis1=1, axis2=2)
+    vs = np.trace(_cov(est, Xt)[1], axis1=1, axis2=2)
+    err = float(np.mean(np.abs(vs - ve) / ve))
+    print(f"\n[sampled cnn] mean relative error of the latent trace: {err:.3f}")
+    assert err < 0.15

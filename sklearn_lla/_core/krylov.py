@@ -63,7 +63,7 @@ class NystromPreconditioner:
 
 
 def nystrom_preconditioner(matvec, n: int, rank: int, generator: torch.Generator,
-                           device=None) -> NystromPreconditioner:
+                           device=None, include: torch.Tensor | None = None):
     """Rank-``rank`` randomized Nystrom approximation of a PSD operator, as a preconditioner.
 
     Parameters
@@ -79,11 +79,19 @@ def nystrom_preconditioner(matvec, n: int, rank: int, generator: torch.Generator
         Draws the Gaussian test matrix (on the CPU).
     device : torch.device, optional
         Where the sketch lives.
+    include : Tensor of shape (k, n), optional
+        Vectors the test matrix contains (``k <= rank``; its other ``rank - k``
+        columns are Gaussian), whose products ``A v`` are returned too: a solver
+        starting from them (conjugate gradients' initial residual) then needs no
+        product of its own. A Nystrom approximation only improves when the test
+        matrix's range grows, so fixed vectors next to Gaussian ones do not weaken it
+        (and a solver's random start, e.g. prior draws, is itself Gaussian).
 
     Returns
     -------
     NystromPreconditioner
-        With ``scale = 1``.
+        With ``scale = 1``; a tuple ``(preconditioner, A include^T)`` (the products
+        as rows, (k, n), float64) when ``include`` is given.
 
     Notes
     -----
@@ -96,9 +104,16 @@ def nystrom_preconditioner(matvec, n: int, rank: int, generator: torch.Generator
     every weight is positive).
     """
     rank = max(1, min(int(rank), int(n)))
-    omega = torch.randn((n, rank), dtype=_F64, generator=generator).to(device)
-    Q = torch.linalg.qr(omega).Q
+    k = 0 if include is None else int(include.shape[0])
+    if k > rank:
+        raise ValueError(f"include has {k} vectors, more than the rank {rank}")
+    omega = torch.randn((n, rank - k), dtype=_F64, generator=generator).to(device)
+    if k:
+        omega = torch.cat([include.T.to(device=device, dtype=_F64), omega], dim=1)
+    Q, Rq = torch.linalg.qr(omega)
     Y = matvec(Q.T.contiguous()).T.to(_F64)  # (n, r)
+    # include = Q[:, :k] Rq[:k, :k] (Rq upper triangular): A include = Y[:, :k] Rq[:k, :k]
+    products = (Y[:, :k] @ Rq[:k, :k]).T if k else None
     nu = math.sqrt(n) * torch.finfo(_F64).eps * float(torch.linalg.norm(Y))
     nu = max(nu, torch.finfo(_F64).tiny)
     Y = Y + nu * Q
@@ -112,11 +127,13 @@ def nystrom_preconditioner(matvec, n: int, rank: int, generator: torch.Generator
     B = torch.linalg.solve_triangular(L, Y.T, upper=False).T  # Y C^-T, C = L
     U, s, _ = torch.linalg.svd(B, full_matrices=False)
     lam = (s.pow(2) - nu).clamp_min(0.0)
-    return NystromPreconditioner(U, lam)
+    if include is None:
+        return NystromPreconditioner(U, lam)
+    return NystromPreconditioner(U, lam), products
 
 
 def block_cg(op, B: torch.Tensor, X: torch.Tensor, tol: float, max_iter: int,
-             precond=None, callback=None):
+             precond=None, callback=None, start_product: torch.Tensor | None = None):
     """Conjugate gradients on ``op(X) = B`` for every row, batched (one ``op`` per iteration).
 
     Parameters
@@ -139,6 +156,10 @@ def block_cg(op, B: torch.Tensor, X: torch.Tensor, tol: float, max_iter: int,
     callback : callable, optional
         ``callback(it, rel)`` after every iteration (``rel``: the largest relative
         residual).
+    start_product : Tensor of shape (k, n), optional
+        ``op(X)`` at the start when it is already known (e.g. from a preconditioner's
+        sketch, :func:`nystrom_preconditioner`'s ``include``): the initial residual
+        then costs no product.
 
     Returns
     -------
@@ -157,7 +178,7 @@ def block_cg(op, B: torch.Tensor, X: torch.Tensor, tol: float, max_iter: int,
     """
     tiny = torch.finfo(_F64).tiny
     bnorm = B.norm(dim=1).clamp_min(tiny)
-    R = B - op(X)
+    R = B - (op(X) if start_product is None else start_product)
     Zr = precond(R) if precond is not None else R
     D = Zr.clone()
     rz = (R * Zr).sum(1)

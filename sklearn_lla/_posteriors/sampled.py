@@ -57,6 +57,8 @@ Antoran et al. (ICLR 2023), nothing ``P x P`` or ``NC x NC`` is ever formed:
 Memory is ``O(P K)`` (the samples, their perturbations and Adam's moments) plus one
 minibatch; time is ``O(max_iter)`` JVP/VJP pairs with ``K + 1`` tangents per E-step
 (the gradient is assembled by hand from one VJP: no autograd graph through them).
+On the graph backend a fit keeps its batches' Jacobian rows (within a budget,
+:class:`~sklearn_lla._posteriors._sampled_passes.BatchRows`) for all its full passes.
 """
 
 from __future__ import annotations
@@ -76,11 +78,13 @@ from .._core.optim import Patience, minibatches, minimize
 from .._core.protocol import LatentPredictive, Posterior, validation_residuals
 from .._network.linearized import stack_flat
 from ._sampled_passes import (
+    BatchRows,
     _ggn_diag_sums,
     _ggn_product_sums,
     _sample_cov,
     _statistics_sums,
     _validation_nll_sums,
+    products,
 )
 
 __all__ = ["SampledLLAPosterior", "PRIOR_GRID", "NOISE_GRID", "G_PRIOR_FLOOR", "CG_MAX_BATCHES",
@@ -165,6 +169,9 @@ class _EStepState:
     q_solved : Tensor (k,) or None
         ``z_k^T G z_k`` of the samples the last conjugate-gradient E-step solved, from
         its residual (``None`` after an Adam E-step).
+    rows : BatchRows or None
+        The training batches' Jacobian rows, kept for this fit's full data passes
+        (:meth:`BatchRows.for_fit`; ``None``: the backend's products).
     """
 
     theta_hat: torch.Tensor
@@ -178,6 +185,7 @@ class _EStepState:
     precond: NystromPreconditioner | None = None
     precond_ref: tuple | None = None
     q_solved: torch.Tensor | None = None
+    rows: BatchRows | None = None
 
 
 class _HandGradient(torch.autograd.Function):
@@ -311,25 +319,27 @@ class SampledLLAPosterior(Posterior):
         S = torch.zeros((M, lin.n_params), dtype=_F64, device=data.device)
         gen = data.generator
         th = st.theta_hat[None]
-        for x, y in data.batches():
+        ops = products(lin, st.rows)
+        for i, (x, y) in enumerate(data.batches()):
             eps = torch.randn((x.shape[0], K, C), dtype=_F64, generator=gen).to(data.device)
             if st.with_mode:
-                g, jt = lin.jvp(x, th)
+                g, jt = ops.jvp(i, x, th)
                 g, jt = g.to(_F64), jt.to(_F64)[..., 0]
             else:
-                g = lin.forward(x).to(_F64)
+                g = ops.output(i, x).to(_F64)
             A = lik.lam_factor(g)
             cot = torch.einsum("bcd,bkd->kbc", A, eps)
             if st.with_mode:
                 m = torch.einsum("bcd,bd->bc", A, torch.einsum("bcd,bc->bd", A, jt))
                 cot = torch.cat([cot, (m + lik.grad(g, y))[None]])
-            S += stack_flat(lin.vjp(x, cot), lin.names).to(_F64)
+            S += ops.vjp(i, x, cot)
         return (S[:K], S[K]) if st.with_mode else (S, None)
 
-    def _statistics(self, data, lik, delta, Z):
+    def _statistics(self, data, lik, delta, Z, store=None):
         """One row-sum pass: the per-sample ``q_k`` (``gamma = mean(q)``, the
         function-space estimator) and the linear model's RSS."""
-        q, rss = data.reduce(_statistics_sums, (data.lin, lik, delta, Z, self._regression))
+        q, rss = data.reduce(_statistics_sums,
+                             (data.lin, lik, delta, Z, self._regression, store))
         return q, float(rss)
 
     def _sample_statistics(self, st, data, lik, k, rss=True):
@@ -342,9 +352,10 @@ class SampledLLAPosterior(Posterior):
         """
         if st.q_solved is not None and st.q_solved.shape[0] == k:
             if rss and self._regression:
-                return st.q_solved, self._statistics(data, lik, st.delta, st.Z[:0])[1]
+                return st.q_solved, self._statistics(data, lik, st.delta, st.Z[:0],
+                                                     st.rows)[1]
             return st.q_solved, 0.0
-        return self._statistics(data, lik, st.delta, st.Z[:k])
+        return self._statistics(data, lik, st.delta, st.Z[:k], st.rows)
 
     def _validation_noise(self, data):
         """Mean squared residual of the network on the validation rows."""
@@ -432,17 +443,20 @@ class SampledLLAPosterior(Posterior):
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         return cut
 
-    def _preconditioner(self, st, data, lik, sigma):
-        """The Nystrom preconditioner of ``I + sigma G sigma``, or ``None`` when off.
+    def _preconditioner(self, st, data, lik, sigma, start):
+        """``(preconditioner, products)``: the Nystrom preconditioner of ``I + sigma G
+        sigma`` (``None`` when off) and, when made now, ``sigma G sigma start``.
 
-        One sketch per fit (a data pass with ``r`` tangents, its own random stream so
-        that the perturbations and minibatches do not change), made at the first
-        conjugate-gradient E-step and rescaled afterwards: a new prior variance or
-        noise variance multiplies ``sigma G sigma`` by a scalar.
+        One sketch per fit (a data pass with ``r`` tangents, its own random stream),
+        made at the first conjugate-gradient E-step and rescaled afterwards (a new
+        prior or noise variance multiplies ``sigma G sigma`` by a scalar). That
+        E-step's ``start`` (``eps_0``, and the mode's start) is in the test matrix
+        (``include``): the sketch's pass gives CG's initial residual, one pass fewer.
         """
         if self.preconditioner is None:
-            return None
+            return None, None
         curv = 1.0 / float(lik.noise_variance) if self._regression else 1.0
+        products = None
         if st.precond is None:
             rank = self.preconditioner_rank
             if rank == "auto":
@@ -450,15 +464,20 @@ class SampledLLAPosterior(Posterior):
             rank = min(int(rank), data.n_samples * data.n_outputs, st.theta_hat.numel())
 
             def matvec(V):
-                (D,) = data.reduce(_ggn_product_sums, (data.lin, lik, V * sigma))
+                (D,) = data.reduce(_ggn_product_sums, (data.lin, lik, V * sigma, st.rows))
                 return sigma * D
 
             gen = torch.Generator().manual_seed(int(data.generator.initial_seed()) ^ 0x5EED)
-            st.precond = nystrom_preconditioner(matvec, st.theta_hat.numel(), rank, gen,
-                                                data.device)
+            n = st.theta_hat.numel()
+            if start.shape[0] <= min(rank, n):
+                st.precond, products = nystrom_preconditioner(matvec, n, rank, gen,
+                                                              data.device, include=start)
+            else:
+                st.precond = nystrom_preconditioner(matvec, n, rank, gen, data.device)
             st.precond_ref = (sigma.clone(), curv)
         sigma_ref, curv_ref = st.precond_ref
-        return st.precond.rescaled(float((sigma / sigma_ref).pow(2).mean()) * curv / curv_ref)
+        scale = float((sigma / sigma_ref).pow(2).mean()) * curv / curv_ref
+        return st.precond.rescaled(scale), products
 
     def _cg_e_step(self, st, data, lik, sigma, desc, max_iter, X, B):
         """Conjugate gradients on ``(I + sigma G sigma) u = b``, all columns.
@@ -477,10 +496,10 @@ class SampledLLAPosterior(Posterior):
             X = torch.cat([((st.theta_hat + st.delta) / sigma)[None], X])
 
         def op(V):
-            (D,) = data.reduce(_ggn_product_sums, (data.lin, lik, V * sigma))
+            (D,) = data.reduce(_ggn_product_sums, (data.lin, lik, V * sigma, st.rows))
             return V + sigma * D
 
-        precond = self._preconditioner(st, data, lik, sigma)
+        precond, products = self._preconditioner(st, data, lik, sigma, X)
         bar = data.progress(max_iter, f"{self.name}: {desc}")
 
         def progress(it, rel):
@@ -490,7 +509,8 @@ class SampledLLAPosterior(Posterior):
 
         try:
             X, it, rel, R = block_cg(op, B, X, self.tol, max_iter,
-                                     None if precond is None else precond.apply, progress)
+                                     None if precond is None else precond.apply, progress,
+                                     start_product=None if products is None else X + products)
         except FloatingPointError as exc:
             raise FloatingPointError(f"{self.name}: {desc}: {exc}") from None
         finally:
@@ -645,7 +665,8 @@ class SampledLLAPosterior(Posterior):
             lik = lik.with_noise(s2)
         else:
             s2 = None
-        st = _EStepState(theta_hat, self._regression or strat.needs_mode)
+        st = _EStepState(theta_hat, self._regression or strat.needs_mode,
+                         rows=BatchRows.for_fit(data))
         st.eps0 = torch.randn((K, P), dtype=_F64, generator=data.generator).to(data.device)
         st.S, st.q = self._perturbation_pass(st, data, lik)
         st.delta = torch.zeros(P, dtype=_F64, device=data.device)

@@ -200,8 +200,10 @@ class GraphRows(Rows):
         if self.D is not None:
             flat = flat_directions(V, self.dense_names, self._dense_numels(), self.D.dtype,
                                    self.D.device)
-            z = self.D @ flat.T
-            out = z if out is None else out + z
+            # (flat D^T)^T: the product with the K directions on the left is the faster
+            # layout of the same GEMM (measured on CPU: 15-25 % at K = 65 to 130)
+            z = (flat @ self.D.T).T
+            out = z.contiguous() if out is None else out + z
         if out is None:
             out = torch.zeros(self.n_rows, K, dtype=self._lin.dtype, device=self._lin.device)
         return out
