@@ -269,6 +269,8 @@ def _randomized_directions(lin, passes, C, s, k, row_space, generator):
     omega = torch.randn((n * C, width), dtype=torch.float64, generator=generator)
     Q, _ = torch.linalg.qr(omega.to(lin.device))
     K, As, PAs = [], [], []  # the orthonormal Krylov blocks, J^T and Psi J^T of each
+    # (kept only where J^T U_s is dearer than a product with them: rotated rows are not)
+    keep = not getattr(passes, "rotated_layout", False)
     MK = []  # M times each block (M is symmetric: K_j^T M Q = (M K_j)^T Q, n C rows)
     B = torch.zeros((0, 0), dtype=torch.float64, device=lin.device)
     previous = None
@@ -279,8 +281,9 @@ def _randomized_directions(lin, passes, C, s, k, row_space, generator):
         B = torch.cat([torch.cat([B, cross], 1),
                        torch.cat([cross.T, A.T @ PA], 1)])  # K^T M K, without another pass
         K.append(Q)
-        As.append(A)
-        PAs.append(PA)
+        if keep:
+            As.append(A)
+            PAs.append(PA)
         lam, W = safe_eigh(0.5 * (B + B.T), "projected covariance K^T J Psi J^T K")
         lam, W = lam.flip(0), W.flip(1)
         captured = float(lam[:k].clamp_min(0).sum())
@@ -305,7 +308,11 @@ def _randomized_directions(lin, passes, C, s, k, row_space, generator):
             break  # an invariant subspace: the Ritz pairs are exact
         Q, _ = torch.linalg.qr(Y)
     lam, W = _select_top(lam, W, s, auto_dim_cap(lin.n_params), n * C)
-    Pm = torch.cat(As if row_space else PAs, 1) @ W  # J^T U_s or Psi J^T U_s, U_s = K W
+    if keep:  # J^T U_s or Psi J^T U_s, U_s = K W
+        Pm = torch.cat(As if row_space else PAs, 1) @ W
+    else:
+        Pm = passes.jt(torch.cat(K, 1) @ W)
+        Pm = Pm if row_space else passes.psi(Pm)
     V, _ = torch.linalg.qr(passes.to_params(Pm))
     return V.T.contiguous(), lam
 
