@@ -21,6 +21,15 @@ Memory: ``M`` is ``(n' C) x (n' C)``; ``Psi_approx`` (from
 :mod:`sklearn_lla._network.curvature`) is applied to chunks of Jacobian rows, so no
 ``p x p`` matrix is formed except by ``optimal``.
 
+One KFAC: on a network with layer factors (the structured or graph Jacobian backend)
+``lowrank-kfac``'s KFAC is read from the KFAC complement's factor sums
+(:class:`~sklearn_lla._posteriors.subspace_kfac.LayerKFAC`, curvlinops' convention;
+curvlinops' own :class:`~sklearn_lla._network.curvature.KFAC` for the other nets): one
+pass over the training rows gives the projector's ``Psi_approx``, the complement's
+``Sigma`` and, when they fit a budget, the training rows for the GGN of the features;
+the range finder then works on the subset's rows rotated into the Kronecker
+eigenbases, where ``Psi_approx`` is diagonal.
+
 :class:`SubspacePosterior` builds the projector (``Psi_approx`` with the KFAC
 evidence's hyperparameters, the paper's), runs
 :class:`~sklearn_lla._posteriors.glm.GLMPosterior` on ``ProjectionFeatures`` and, for

@@ -82,7 +82,8 @@ class LayerKFAC:
         self.lin = lin
         self.rows = None
         src = layer_factors(lin)
-        if keep_rows and getattr(src, "shares_rows", False) and not data.is_dask:
+        if (keep_rows and getattr(src, "shares_rows", False) and not data.is_dask
+                and _fit_rows(lin, data)):
             # the pass that gives the factors gives the training rows too (graph
             # backend): kept, within ROW_CACHE_ELEMENTS, for the GGN of the features
             cache = RowCache(ROW_CACHE_ELEMENTS)
@@ -326,6 +327,15 @@ class RowCache:
             self.items = None
             return
         self.items.append((rows, y))
+
+
+def _fit_rows(lin, data):
+    """Whether all training rows fit :data:`ROW_CACHE_ELEMENTS` (one point's rows
+    measured: the layer factors' pass costs more than the factors alone, so it is
+    taken only when its rows are kept)."""
+    with torch.no_grad():
+        probe = lin.rows(data.rows(slice(0, 1))[0])
+    return _rows_elements(probe) * data.n_samples <= ROW_CACHE_ELEMENTS
 
 
 def _rows_elements(rows):
