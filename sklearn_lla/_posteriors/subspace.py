@@ -451,7 +451,8 @@ class SubspacePosterior(GLMPosterior):
             if supports_kfac_complement(lin):
                 # the layer factors' KFAC: the same curvature as curvlinops', and the
                 # complement reads its factor sums instead of a pass of its own
-                kfac = LayerKFAC(lin, data, keep_rows=self.residual_correction == "kfac")
+                kfac = LayerKFAC(lin, data, keep_rows=(self.residual_correction == "kfac"
+                                                       and not self.early_stopping))
                 self._kfac_sums, self._kfac_rows = kfac.sums, kfac.rows
             else:
                 try:
