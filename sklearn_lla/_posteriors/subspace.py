@@ -161,7 +161,10 @@ def lowrank_directions(lin, X, n_outputs, psi, s, batch_size=256, row_space=Fals
     n_outputs : int
         ``C``.
     psi : callable
-        ``T (p, k) -> Psi T (p, k)``, float64.
+        ``T (p, k) -> Psi T (p, k)``, float64. One with a ``passes`` method (a
+        :class:`~sklearn_lla._posteriors.subspace_kfac.LayerKFAC`'s inverse) supplies
+        the products itself: on the subset's rows rotated once into the Kronecker
+        eigenbases, where ``Psi`` is diagonal.
     s : int or "auto"
         Subspace dimension (an integer is reduced to the numerical rank of ``M`` with a
         warning); ``"auto"``: every eigenvalue of ``M`` above ``AUTO_RTOL`` times the
