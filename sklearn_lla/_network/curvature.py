@@ -1,7 +1,10 @@
 """Curvature of the linearised network: KFAC, the full GGN, its diagonal, SWAG variances.
 
 These are the curvature estimates the subspace projectors of
-:mod:`sklearn_lla._posteriors.subspace` are built from (``Psi_approx``).
+:mod:`sklearn_lla._posteriors.subspace` are built from (``Psi_approx``). On networks
+whose Jacobian backend has layer factors the projector reads the same KFAC from the
+KFAC complement's factors instead (:mod:`sklearn_lla._posteriors.subspace_kfac`, one
+pass shared with the complement); :class:`KFAC` here is the path for the others.
 
 KFAC comes from ``curvlinops`` (``KFACLinearOperator`` with the exact type-2 GGN
 factors, ``KFACInverseLinearOperator`` with exact damping for ``Psi_approx``). Every

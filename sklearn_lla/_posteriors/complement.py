@@ -657,3 +657,26 @@ class KFACComplement:
             cross = P @ JU.T
             cov = cov - cross - cross.T + P @ QSQ @ P.T
         return 0.5 * (cov + cov.T) * mult
+
+
+# ------------------------------------------------------------------------------------
+# (subspace Laplace) the factors' row sums as one pass of their own, to be shared
+# ------------------------------------------------------------------------------------
+def kfac_factor_sums(lin, data):
+    """The KFAC factors' row sums over the training rows (:func:`_kfac_pass`, the pass
+    :class:`KFACComplement` runs without ``sums``), computed once so that subspace
+    Laplace's projector and its complement read the same KFAC.
+
+    Parameters
+    ----------
+    lin : LinearizedNet
+        The network (structured or graph Jacobian backend).
+    data : FitData
+        The training stream.
+
+    Returns
+    -------
+    tuple
+        ``sums`` for :class:`KFACComplement`.
+    """
+    return data.reduce(_kfac_pass, (lin, data.likelihood), min(data.batch_size, 1024))

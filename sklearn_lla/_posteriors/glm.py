@@ -495,9 +495,12 @@ class GLMPosterior(Posterior):
         self._W = self._whiten_map()
         self.complement = None
         shared = None
+        sums = getattr(self, "_kfac_sums", None)  # (subspace Laplace: its projector's)
         if self.residual_correction == "kfac":
             if not supports_kfac_complement(data.lin):
                 self.residual_correction = False
+            elif sums is not None:  # the factors already summed: the GGN's pass alone
+                self.complement = KFACComplement(data.lin, data, self._kept_rows(), sums=sums)
             elif (not self.early_stopping and feats.tangents is not None
                   and getattr(layer_factors(data.lin), "shares_rows", False)):
                 # one pass over the training rows: the GGN of the features and the
@@ -514,9 +517,8 @@ class GLMPosterior(Posterior):
         desc = f"{self.label}: accumulating the GGN"
         if shared is not None:
             G, fit_stat, n_seen = shared[-3:]
-        elif not self.early_stopping:  # one row-sum pass (per partition on dask input)
-            G, fit_stat, n_seen = data.reduce(ggn_statistics, (feats, lik, data.device), bs,
-                                              desc=desc)
+        elif not self.early_stopping:
+            G, fit_stat, n_seen = self._ggn_pass(data, feats, lik, bs, desc)
         else:
             bs = min(bs, self.search_freq)
             order = torch.randperm(N, generator=data.generator).numpy()
@@ -533,6 +535,11 @@ class GLMPosterior(Posterior):
         self.hyper_strategy = result.strategy
         self.hyper_trace = result.trace
         return self
+
+    def _ggn_pass(self, data, feats, lik, bs, desc):
+        """``(G, fit statistic, n_rows)`` of the features over the training rows: one
+        row-sum pass (per partition on dask input)."""
+        return data.reduce(ggn_statistics, (feats, lik, data.device), bs, desc=desc)
 
     def _set_hyperparameters(self, lik, s0, s2):
         """Fix ``(s0^2, s2)``: the likelihood, the factor ``T diag(d) T^T`` and the evidence."""

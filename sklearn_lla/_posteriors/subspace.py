@@ -21,6 +21,15 @@ Memory: ``M`` is ``(n' C) x (n' C)``; ``Psi_approx`` (from
 :mod:`sklearn_lla._network.curvature`) is applied to chunks of Jacobian rows, so no
 ``p x p`` matrix is formed except by ``optimal``.
 
+One KFAC: on a network with layer factors (the structured or graph Jacobian backend)
+``lowrank-kfac``'s KFAC is read from the KFAC complement's factor sums
+(:class:`~sklearn_lla._posteriors.subspace_kfac.LayerKFAC`, curvlinops' convention;
+curvlinops' own :class:`~sklearn_lla._network.curvature.KFAC` for the other nets): one
+pass over the training rows gives the projector's ``Psi_approx``, the complement's
+``Sigma`` and, when they fit a budget, the training rows for the GGN of the features;
+the range finder then works on the subset's rows rotated into the Kronecker
+eigenbases, where ``Psi_approx`` is diagonal.
+
 :class:`SubspacePosterior` builds the projector (``Psi_approx`` with the KFAC
 evidence's hyperparameters, the paper's), runs
 :class:`~sklearn_lla._posteriors.glm.GLMPosterior` on ``ProjectionFeatures`` and, for
@@ -60,7 +69,8 @@ from .._network.curvature import (
 )
 from .._network.linearized import stack_flat
 from .complement import supports_kfac_complement
-from .glm import GLMPosterior, ProjectionFeatures
+from .glm import GLMPosterior, ProjectionFeatures, _ggn_of_rows
+from .subspace_kfac import LayerKFAC
 
 __all__ = ["SubspacePosterior", "PROJECTORS", "MAX_OPTIMAL_PARAMS", "lowrank_directions",
            "subset_directions"]
@@ -151,7 +161,10 @@ def lowrank_directions(lin, X, n_outputs, psi, s, batch_size=256, row_space=Fals
     n_outputs : int
         ``C``.
     psi : callable
-        ``T (p, k) -> Psi T (p, k)``, float64.
+        ``T (p, k) -> Psi T (p, k)``, float64. One with a ``passes`` method (a
+        :class:`~sklearn_lla._posteriors.subspace_kfac.LayerKFAC`'s inverse) supplies
+        the products itself: on the subset's rows rotated once into the Kronecker
+        eigenbases, where ``Psi`` is diagonal.
     s : int or "auto"
         Subspace dimension (an integer is reduced to the numerical rank of ``M`` with a
         warning); ``"auto"``: every eigenvalue of ``M`` above ``AUTO_RTOL`` times the
@@ -188,76 +201,101 @@ def lowrank_directions(lin, X, n_outputs, psi, s, batch_size=256, row_space=Fals
     lam : Tensor of shape (s,)
         The top eigenvalues of ``M = J_X Psi J_X^T``.
     """
-    C, p, n = n_outputs, lin.n_params, X.shape[0]
+    C, n = n_outputs, X.shape[0]
     if method not in ("auto", "dense", "randomized"):
         raise ValueError(f"method must be 'auto', 'dense' or 'randomized', got {method!r}")
     if X.is_floating_point() and X.dtype != lin.dtype:
         X = X.to(lin.dtype)
     step = _chunk(lin, C, batch_size)
     chunks = [slice(i, min(i + step, n)) for i in range(0, n, step)]
-    k = auto_dim_cap(p) if s == "auto" else int(s)
+    # the products on the subset's rows: Psi's own (any network), or in the KFAC
+    # eigenbases on rows rotated once (a LayerKFAC's Psi, :mod:`.subspace_kfac`)
+    passes = (psi.passes(lin, X, C, chunks) if hasattr(psi, "passes")
+              else _NetPasses(lin, X, C, chunks, psi))
+    k = auto_dim_cap(lin.n_params) if s == "auto" else int(s)
     if method == "randomized" or (method == "auto" and 4 * (k + RANGE_OVERSAMPLING) <= n * C):
-        return _randomized_directions(lin, X, C, psi, s, k, chunks, row_space, generator)
+        return _randomized_directions(lin, passes, C, s, k, row_space, generator)
     M = torch.empty((n * C, n * C), dtype=torch.float64, device=lin.device)
-
-    def jac(sl):
-        return lin.jacobian(X[sl]).double().reshape(-1, p)
-
     for i, si in enumerate(chunks):
-        Ji = jac(si)
-        Z = psi(Ji.T)  # (p, b C)
+        Jt_i = passes.rows_t(i)  # (p, b C)
+        Z = passes.psi(Jt_i)
         rows_i = slice(si.start * C, si.stop * C)
-        for sj in chunks[i:]:  # M is symmetric: the blocks on and below the diagonal
-            Jj = Ji if sj == si else jac(sj)
+        for j in range(i, len(chunks)):  # M is symmetric: the blocks on and below the diagonal
+            sj = chunks[j]
+            Jj = Jt_i.T if j == i else passes.rows_t(j).T
             rows_j = slice(sj.start * C, sj.stop * C)
             M[rows_j, rows_i] = Jj @ Z
-            if sj != si:
+            if j != i:
                 M[rows_i, rows_j] = M[rows_j, rows_i].T
-    lam, U = _top_eigvecs(M, s, auto_dim_cap(p))
+    lam, U = _top_eigvecs(M, s, auto_dim_cap(lin.n_params))
     del M
-    Pm = torch.zeros((p, U.shape[1]), dtype=torch.float64, device=lin.device)
-    for si in chunks:
-        Jt = jac(si).T
-        Pm += (Jt if row_space else psi(Jt)) @ U[si.start * C:si.stop * C]
-    Q, _ = torch.linalg.qr(Pm)
+    Pm = torch.zeros((passes.p, U.shape[1]), dtype=torch.float64, device=lin.device)
+    for i, si in enumerate(chunks):
+        Jt = passes.rows_t(i)
+        Pm += (Jt if row_space else passes.psi(Jt)) @ U[si.start * C:si.stop * C]
+    Q, _ = torch.linalg.qr(passes.to_params(Pm))
     return Q.T.contiguous(), lam
 
 
-def _randomized_directions(lin, X, C, psi, s, k, chunks, row_space, generator):
-    """:func:`lowrank_directions` by randomized block Krylov (see its ``method``): the top
-    eigenpairs of ``M`` from blocks of ``k + o`` columns (at most ``n C``)."""
-    p, n = lin.n_params, X.shape[0]
+class _NetPasses:
+    """``J^T Q``, ``J T`` and ``Psi T`` over the rows of ``X`` by the network's own
+    products, in the parameters' layout: each product one batched VJP or JVP pass in
+    the network's dtype, the results cast to float64 (the range finder's sums)."""
 
-    dt = lin.dtype  # the passes run in the network's dtype, the sums in float64
+    def __init__(self, lin, X, n_outputs, chunks, psi):
+        self.lin, self.X, self.C, self.chunks, self.psi = lin, X, n_outputs, chunks, psi
+        self.p = lin.n_params
 
-    def jt(Q):  # J^T Q, (p, w): one batched VJP pass
-        out = torch.zeros((p, Q.shape[1]), dtype=torch.float64, device=lin.device)
-        for sl in chunks:
+    def jt(self, Q):
+        """``J^T Q`` ``(p, w)`` for ``Q`` ``(n C, w)``: one batched VJP pass."""
+        lin, C, dt = self.lin, self.C, self.lin.dtype
+        out = torch.zeros((self.p, Q.shape[1]), dtype=torch.float64, device=lin.device)
+        for sl in self.chunks:
             cot = Q[sl.start * C:sl.stop * C].T.reshape(Q.shape[1], -1, C).to(dt)
-            out += stack_flat(lin.vjp(X[sl], cot), lin.names).T.double()
+            out += stack_flat(lin.vjp(self.X[sl], cot), lin.names).T.double()
         return out
 
-    def j(T):  # J T, (n C, w): one batched JVP pass
-        Tt = T.T.to(dt)
-        return torch.cat([lin.jvp(X[sl], Tt)[1].reshape(-1, T.shape[1]).double()
-                          for sl in chunks])
+    def j(self, T):
+        """``J T`` ``(n C, w)`` for ``T`` ``(p, w)``: one batched JVP pass."""
+        Tt = T.T.to(self.lin.dtype)
+        return torch.cat([self.lin.jvp(self.X[sl], Tt)[1].reshape(-1, T.shape[1]).double()
+                          for sl in self.chunks])
 
+    def rows_t(self, i):
+        """``J^T`` of chunk ``i``'s rows, ``(p, b C)`` float64."""
+        return self.lin.jacobian(self.X[self.chunks[i]]).double().reshape(-1, self.p).T
+
+    @staticmethod
+    def to_params(P):
+        """The layout is the parameters' already."""
+        return P
+
+
+def _randomized_directions(lin, passes, C, s, k, row_space, generator):
+    """:func:`lowrank_directions` by randomized block Krylov (see its ``method``): the top
+    eigenpairs of ``M`` from blocks of ``k + o`` columns (at most ``n C``), the products
+    by ``passes`` (:class:`_NetPasses` or the KFAC eigenbases' rotated rows)."""
+    n = passes.X.shape[0]
     width = min(k + RANGE_OVERSAMPLING, n * C)
     k = max(width - min(RANGE_OVERSAMPLING, width), 1)
     omega = torch.randn((n * C, width), dtype=torch.float64, generator=generator)
     Q, _ = torch.linalg.qr(omega.to(lin.device))
     K, As, PAs = [], [], []  # the orthonormal Krylov blocks, J^T and Psi J^T of each
+    # (kept only where J^T U_s is dearer than a product with them: rotated rows are not)
+    keep = not getattr(passes, "rotated_layout", False)
+    MK = []  # M times each block (M is symmetric: K_j^T M Q = (M K_j)^T Q, n C rows)
     B = torch.zeros((0, 0), dtype=torch.float64, device=lin.device)
     previous = None
     for it in range(RANGE_MAX_ITERATIONS + 1):
-        A = jt(Q)
-        PA = psi(A)
-        cross = torch.cat(As, 1).T @ PA if As else B.new_zeros((0, PA.shape[1]))
+        A = passes.jt(Q)
+        PA = passes.psi(A)
+        cross = torch.cat(MK, 1).T @ Q if MK else B.new_zeros((0, Q.shape[1]))
         B = torch.cat([torch.cat([B, cross], 1),
                        torch.cat([cross.T, A.T @ PA], 1)])  # K^T M K, without another pass
         K.append(Q)
-        As.append(A)
-        PAs.append(PA)
+        if keep:
+            As.append(A)
+            PAs.append(PA)
         lam, W = safe_eigh(0.5 * (B + B.T), "projected covariance K^T J Psi J^T K")
         lam, W = lam.flip(0), W.flip(1)
         captured = float(lam[:k].clamp_min(0).sum())
@@ -272,7 +310,8 @@ def _randomized_directions(lin, X, C, psi, s, k, chunks, row_space, generator):
                           "its subspace is the best found", RuntimeWarning, stacklevel=4)
             break
         previous = captured
-        Y = j(PA)  # M Q, then orthogonalised against the whole Krylov basis (twice)
+        MK.append(passes.j(PA))  # M Q, then orthogonalised against the Krylov basis (twice)
+        Y = MK[-1].clone()
         Kb = torch.cat(K, 1)
         norm = float(torch.linalg.norm(Y))
         for _ in range(2):
@@ -280,9 +319,13 @@ def _randomized_directions(lin, X, C, psi, s, k, chunks, row_space, generator):
         if float(torch.linalg.norm(Y)) <= 1e-10 * max(norm, 1e-300):
             break  # an invariant subspace: the Ritz pairs are exact
         Q, _ = torch.linalg.qr(Y)
-    lam, W = _select_top(lam, W, s, auto_dim_cap(p), n * C)
-    Pm = torch.cat(As if row_space else PAs, 1) @ W  # J^T U_s or Psi J^T U_s, U_s = K W
-    V, _ = torch.linalg.qr(Pm)
+    lam, W = _select_top(lam, W, s, auto_dim_cap(lin.n_params), n * C)
+    if keep:  # J^T U_s or Psi J^T U_s, U_s = K W
+        Pm = torch.cat(As if row_space else PAs, 1) @ W
+    else:
+        Pm = passes.jt(torch.cat(K, 1) @ W)
+        Pm = Pm if row_space else passes.psi(Pm)
+    V, _ = torch.linalg.qr(passes.to_params(Pm))
     return V.T.contiguous(), lam
 
 
@@ -408,11 +451,18 @@ class SubspacePosterior(GLMPosterior):
         kfac = None
         wants_kfac = self.prior_variance == "auto" or self.noise_variance == "auto"
         if name == "lowrank-kfac" or wants_kfac:
-            try:
-                kfac = KFAC(lin, data)
-            except UnsupportedKFAC:
-                if name == "lowrank-kfac":
-                    raise
+            if supports_kfac_complement(lin):
+                # the layer factors' KFAC: the same curvature as curvlinops', and the
+                # complement reads its factor sums instead of a pass of its own
+                kfac = LayerKFAC(lin, data, keep_rows=(self.residual_correction == "kfac"
+                                                       and not self.early_stopping))
+                self._kfac_sums, self._kfac_rows = kfac.sums, kfac.rows
+            else:
+                try:
+                    kfac = KFAC(lin, data)
+                except UnsupportedKFAC:
+                    if name == "lowrank-kfac":
+                        raise
         self.projector_curvature = _CURVATURE.get(name)
         if name == "lowrank-kfac":
             self.projector_curvature = kfac.description
@@ -445,6 +495,9 @@ class SubspacePosterior(GLMPosterior):
             self.residual_correction = (
                 ("kfac" if supports_kfac_complement(data.lin) else True) if lowrank else False)
         self._kfac_result = None
+        # the projector's KFAC factor sums and the training rows of their pass, for the
+        # complement and the GGN of the features
+        self._kfac_sums = self._kfac_rows = None
         V = self._directions(data)
         self.projector_rows = V
         self.features = ProjectionFeatures(V)
@@ -453,6 +506,7 @@ class SubspacePosterior(GLMPosterior):
         self._kfac_ridge = (data.likelihood.task == "regression" and self._kfac_fit is not None
                             and self.prior_variance == "auto" and self.hyper == "auto")
         super().fit(data)
+        self._kfac_sums = self._kfac_rows = None
         self.residual_excess = None
         if self.residual_correction:
             self._check_residual(data, switch=residual_auto)
@@ -465,6 +519,17 @@ class SubspacePosterior(GLMPosterior):
         if self._kfac_ridge:
             self.hyper_trace["prior_variance_source"] = "kfac_evidence"
         return self
+
+    def _ggn_pass(self, data, feats, lik, bs, desc):
+        """The GGN of the features from the training rows the KFAC pass kept, else a
+        pass of its own (:meth:`GLMPosterior._ggn_pass`)."""
+        if self._kfac_rows is None:
+            return super()._ggn_pass(data, feats, lik, bs, desc)
+        state = [torch.zeros((feats.dim, feats.dim), dtype=torch.float64, device=data.device),
+                 0.0, 0]
+        for rows, y in self._kfac_rows.items:
+            _ggn_of_rows(feats, lik, rows, None, y, state)
+        return tuple(state)
 
     def _kfac_prior_at(self, s2, warn=False):
         """The KFAC evidence's prior variance at the noise variance ``s2``."""
