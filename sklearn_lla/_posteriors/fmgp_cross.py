@@ -108,12 +108,13 @@ class ClassCross:
         B, C, _ = self.shape
         K = T2.shape[1]
         Tg = self._grouped_rows(T2.to(_F64))  # (C, G, K)
-        TR = torch.bmm(self._grouped(self.R), Tg)  # (C, B, K)
-        res = (self.Bmat @ TR.reshape(C, B * K)).reshape(C, B, K)
-        if self.Q is not None:
-            TQ = torch.bmm(self._grouped(self.Q), Tg)
-            res = res + torch.diagonal(self.Bmat)[:, None, None] * TQ
-        res = res.transpose(0, 1)  # (B, C, K)
+        TR = torch.bmm(self._grouped(self.R), Tg).reshape(C, B * K)  # (C, B K)
+        if self.Q is None:
+            res = self.Bmat @ TR
+        else:  # B[c, c] scales the (C, B, G) factor, not the (C, B, K) product
+            Qg = self._grouped(self.Q) * torch.diagonal(self.Bmat)[:, None, None]
+            res = torch.addmm(torch.bmm(Qg, Tg).reshape(C, B * K), self.Bmat, TR)
+        res = res.reshape(C, B, K).transpose(0, 1)  # (B, C, K)
         return res.reshape(B, C) if vector else res
 
     def dense(self):
