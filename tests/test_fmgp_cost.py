@@ -241,3 +241,33 @@ def test_factored_steps_give_the_dense_steps_losses_and_gradients(monkeypatch, k
                                            atol=1e-12 * float(b.abs().max()))
     Xq, _ = _data("classification", 40, seed=1)
     np.testing.assert_allclose(fe.predict_proba(Xq), de.predict_proba(Xq), rtol=1e-8)
+
+
+@pytest.mark.parametrize("budget", [None, 0])
+def test_training_batches_are_the_streams_minibatches(monkeypatch, budget):
+    """With the cache, the loop's batches come from the cached inputs and targets: the
+    very batches (values and order) of ``data.minibatches`` from the same generator
+    state, over several epochs; without (``FEATURE_CACHE_BYTES = 0``) the stream's."""
+    if budget is not None:
+        monkeypatch.setattr(fmgp_mod, "FEATURE_CACHE_BYTES", budget)
+    real = gp_mod.minimize
+    seen = {}
+
+    def fake(loss_fn, params, batches, **kw):
+        data = loss_fn.__self__.data
+        g = torch.Generator()
+        g.set_state(data.generator.get_state())
+        ref = data.minibatches(50, g)
+        seen["xy"] = getattr(loss_fn.__self__.post, "_xy_cache", None) is not None
+        for _ in range(12):  # 4 batches an epoch (230 rows, the last 30 dropped)
+            (x, y), (xr, yr) = next(batches), next(ref)
+            torch.testing.assert_close(x, xr, rtol=0, atol=0)
+            torch.testing.assert_close(y, yr, rtol=0, atol=0)
+        kw.update(max_iter=1, early_stopping=False, validation=None)
+        return real(loss_fn, params, batches, **kw)
+
+    monkeypatch.setattr(gp_mod, "minimize", fake)
+    X, y = _data("classification")
+    FMGPClassifier(_Counted(3, 3), n_inducing=9, batch_size=50, random_state=0,
+                   device="cpu").fit(X, y)
+    assert seen["xy"] is (budget is None)
