@@ -209,6 +209,7 @@ def test_factored_cross_is_the_dense_cross(delta, cz):
 
 
 @pytest.mark.parametrize("kw", [{}, {"n_inducing": 10},  # padded (unequal) class groups
+                                {"learn_inducing": True},  # free inducing features
                                 {"kernel": ClassificationKernel(delta="input")},
                                 {"kernel": ClassificationKernel(inducing_features="network"),
                                  "learn_inducing": True},
