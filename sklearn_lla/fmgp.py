@@ -283,7 +283,8 @@ class FMGPClassifier(_FMGPMixin, LaplaceClassifierMixin):
         also beats the best by more than 10 % of the objective's progress since the
         first check (diminishing returns: on image inputs the kernel's length scales
         grow without bound and the objective creeps down for thousands of steps; see
-        ``docs/fmgp.md``).
+        ``docs/fmgp.md``); two checks since the best that are lower by ``tol`` but
+        not by that margin (the creep) also stop it.
     validation_fraction : float, default=0.1
         Fraction of rows held out from training the network when ``fit`` trains it;
         those rows calibrate the temperature.

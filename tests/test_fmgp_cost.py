@@ -155,3 +155,120 @@ def test_free_inducing_features_start_at_the_network_and_split_when_fitted():
         FMGPClassifier(net, kernel=ClassificationKernel(inducing_features="nope"),
                        device="cpu").fit(X, y)
 
+
+
+def _class_kernel(delta, C=3, D=4, F=5, seed=0):
+    """An initialised ClassificationKernel on a tiny float64 net, with a non-trivial
+    output covariance ``B`` and length scales."""
+    from sklearn_lla._network.linearized import LinearizedNet
+
+    torch.manual_seed(seed)
+    module = nn.Sequential(nn.Linear(D, F), nn.Tanh(), nn.Linear(F, C)).double()
+    X = torch.randn(40, D, dtype=F64)
+    k = ClassificationKernel(delta=delta).initialize(
+        X, None, n_outputs=C, task="classification", net=LinearizedNet(module, example_input=X))
+    with torch.no_grad():
+        k.L_B.copy_(torch.eye(C, dtype=F64) + 0.3 * torch.randn(C, C, dtype=F64).tril())
+        k.log_length_scale.add_(0.2 * torch.randn(D, dtype=F64))
+        k.log_amplitude.fill_(0.4)
+    return k, X
+
+
+@pytest.mark.parametrize("delta", ["class", "input"])
+@pytest.mark.parametrize("cz", [[0, 0, 0, 1, 1, 1, 2, 2, 2],  # k-means' order, equal shares
+                                [2, 0, 1, 0, 2, 2, 1, 0, 2, 2]])  # shuffled, unequal shares
+def test_factored_cross_is_the_dense_cross(delta, cz):
+    """``ClassCross`` multiplies like the dense ``Kxz`` of ``kernel.batch``: the (B, C, M)
+    tensor itself, its products with a matrix and a vector, and the step's ``Kzz`` and
+    ``Kxx``, in float64 round-off; ``delta="input"`` with a batch row equal to an
+    inducing input (the ``[x = z]`` term)."""
+    from sklearn_lla._posteriors.fmgp_cross import class_groups, factored_batch
+
+    k, X = _class_kernel(delta)
+    cz = torch.tensor(cz)
+    M = len(cz)
+    Z = k.lift_inducing(X[5:5 + M])
+    x = torch.cat([X[20:26], X[5:6]])  # the last row is inducing input 0
+    groups = class_groups(cz, 3)
+    assert (groups is None) == (M == 9)
+    Kzz, cross, Kxx = factored_batch(k, x, Z, cz, groups)
+    Kzz0, Kxz0, Kxx0 = k.batch(x, Z, cz)
+    assert cross.shape == tuple(Kxz0.shape)
+    tight = dict(rtol=1e-13, atol=1e-14)
+    torch.testing.assert_close(Kzz, Kzz0, **tight)
+    torch.testing.assert_close(Kxx, Kxx0, **tight)
+    torch.testing.assert_close(cross.dense(), Kxz0, **tight)
+    T = torch.randn(M, 4, dtype=F64)
+    a = torch.randn(M, dtype=F64)
+    torch.testing.assert_close(cross @ T, Kxz0 @ T, **tight)
+    torch.testing.assert_close(cross @ a, Kxz0 @ a, **tight)
+    # a subclass (which may change the formula) is not factored
+    sub = type("Sub", (ClassificationKernel,), {})()
+    sub.__dict__.update(k.__dict__)
+    assert factored_batch(sub, x, Z, cz, groups) is None
+
+
+@pytest.mark.parametrize("kw", [{}, {"n_inducing": 10},  # padded (unequal) class groups
+                                {"learn_inducing": True},  # free inducing features
+                                {"kernel": ClassificationKernel(delta="input")},
+                                {"kernel": ClassificationKernel(inducing_features="network"),
+                                 "learn_inducing": True},
+                                {"energy_link": "mc"}])
+def test_factored_steps_give_the_dense_steps_losses_and_gradients(monkeypatch, kw):
+    """The factored cross covariances and the variance-only energy
+    (``FACTORED_STEPS``) change no number of a training step: the losses and every
+    gradient of the dense step (``kernel.batch``, full ``C x C`` blocks) to float64
+    round-off, and the fits agree."""
+    energy_link = kw.pop("energy_link", None)
+    kw = {"n_inducing": 9, **kw}
+    if energy_link is not None:  # the Monte Carlo energy reads the full blocks
+        kw["alpha"] = 0.5
+    fits = {}
+    for factored in (True, False):
+        monkeypatch.setattr(fmgp_mod, "FACTORED_STEPS", factored)
+        X, y = _data("classification")
+        rec = _record(monkeypatch)
+        est = FMGPClassifier(_Counted(3, 3), batch_size=50, random_state=0, device="cpu",
+                             **kw).fit(X, y)
+        monkeypatch.undo()
+        fits[factored] = (est, rec)
+    (fe, fr), (de, dr) = fits[True], fits[False]
+    np.testing.assert_allclose(fr["losses"], dr["losses"], rtol=1e-12)
+    for gf, gd in zip(fr["grads"], dr["grads"]):
+        for a, b in zip(gf, gd):
+            assert (a is None) == (b is None)
+            if a is not None:
+                np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-9,
+                                           atol=1e-12 * float(b.abs().max()))
+    Xq, _ = _data("classification", 40, seed=1)
+    np.testing.assert_allclose(fe.predict_proba(Xq), de.predict_proba(Xq), rtol=1e-8)
+
+
+@pytest.mark.parametrize("budget", [None, 0])
+def test_training_batches_are_the_streams_minibatches(monkeypatch, budget):
+    """With the cache, the loop's batches come from the cached inputs and targets: the
+    very batches (values and order) of ``data.minibatches`` from the same generator
+    state, over several epochs; without (``FEATURE_CACHE_BYTES = 0``) the stream's."""
+    if budget is not None:
+        monkeypatch.setattr(fmgp_mod, "FEATURE_CACHE_BYTES", budget)
+    real = gp_mod.minimize
+    seen = {}
+
+    def fake(loss_fn, params, batches, **kw):
+        data = loss_fn.__self__.data
+        g = torch.Generator()
+        g.set_state(data.generator.get_state())
+        ref = data.minibatches(50, g)
+        seen["xy"] = getattr(loss_fn.__self__.post, "_xy_cache", None) is not None
+        for _ in range(12):  # 4 batches an epoch (230 rows, the last 30 dropped)
+            (x, y), (xr, yr) = next(batches), next(ref)
+            torch.testing.assert_close(x, xr, rtol=0, atol=0)
+            torch.testing.assert_close(y, yr, rtol=0, atol=0)
+        kw.update(max_iter=1, early_stopping=False, validation=None)
+        return real(loss_fn, params, batches, **kw)
+
+    monkeypatch.setattr(gp_mod, "minimize", fake)
+    X, y = _data("classification")
+    FMGPClassifier(_Counted(3, 3), n_inducing=9, batch_size=50, random_state=0,
+                   device="cpu").fit(X, y)
+    assert seen["xy"] is (budget is None)

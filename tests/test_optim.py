@@ -258,3 +258,56 @@ def test_progress_tol_stops_on_diminishing_returns():
     # a gain of more than the fraction restarts the count
     p = Patience(2, progress_tol=0.5)
     assert [p.update(s) for s in (1.0, 0.5, 0.4, 0.1)] == [True, True, False, True]
+
+
+def test_n_iter_no_progress_stops_the_creep_sooner_with_the_same_best():
+    """``n_iter_no_progress`` checks that only creep below the best (lower by ``tol``,
+    not by the progress margin) stop the run; on a creep of shrinking gains (the
+    objective's tail) the best is the one ``n_iter_no_change`` alone keeps. Checks
+    that are no gain at all (noise) do not count as creep, and a real improvement
+    restarts the count."""
+    from sklearn_lla._core.optim import Patience
+
+    scores = [1.0, 0.5, 0.3, 0.2] + [0.2 - 0.02 * (1 - 0.7 ** i) for i in range(1, 40)]
+    slow = Patience(5, tol=1e-3, progress_tol=0.05)
+    fast = Patience(5, tol=1e-3, progress_tol=0.05, n_iter_no_progress=2)
+    stops = {}
+    for i, s in enumerate(scores):
+        for name, p in (("slow", slow), ("fast", fast)):
+            if name not in stops:
+                p.update(s)
+                if p.stop:
+                    stops[name] = i
+    assert stops == {"fast": 5, "slow": 8}  # two creeping checks against five
+    assert fast.best == slow.best == 0.2 and fast.creep == 2
+    # noise (no gain by tol) is not creep; an improvement restarts the creep count
+    p = Patience(5, tol=1e-3, progress_tol=0.5, n_iter_no_progress=2)
+    out = [p.update(s) for s in (1.0, 0.5, 0.45, 0.6, 0.1, 0.09)]
+    assert out == [True, True, False, False, True, False]
+    assert (p.creep, p.bad, p.stop) == (1, 1, False)
+    assert p.update(0.08) is False and p.stop
+    # without it, creeping checks count towards n_iter_no_change only (as before)
+    p = Patience(3, tol=1e-3, progress_tol=0.5)
+    assert [p.update(s) for s in (1.0, 0.5, 0.45, 0.44)] == [True, True, False, False]
+    assert not p.stop
+
+
+def test_minimize_passes_n_iter_no_progress():
+    """The loop stops on the first creeping check with ``n_iter_no_progress=1``: sooner
+    than without, at a check that was below the best by less than the margin."""
+    data = _data()
+    runs = {}
+    for k in (None, 1):
+        w = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+        runs[k] = minimize(_loss(w), [w],
+                           minibatches(data, 50, torch.Generator().manual_seed(0)),
+                           max_iter=3000, lr=0.01, validation="loss", validation_freq=20,
+                           n_iter_no_change=5, tol=1e-4, progress_tol=0.05,
+                           n_iter_no_progress=k)
+    fast, slow = runs[1], runs[None]
+    assert fast.stopped_early and fast.n_iter < slow.n_iter
+    hist = dict(fast.validation_history)
+    first, best, last = hist[20], hist[fast.best_iter], hist[fast.n_iter]
+    assert best - 1e-4 > last > best - 0.05 * (first - best)
+    # the same steps up to the stop: the histories agree
+    assert fast.validation_history == slow.validation_history[:len(fast.validation_history)]

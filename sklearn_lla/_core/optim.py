@@ -182,6 +182,11 @@ class Patience:
         Diminishing returns: a score improves only when it is also lower than the best
         by more than ``progress_tol`` times the progress so far (the first score
         minus the best). ``0``: no such condition.
+    n_iter_no_progress : int or None, default=None
+        With ``progress_tol``: also stop after this many checks since the last
+        improvement that beat the best by the tolerance but not by the progress
+        margin (the score still creeps down, by too little to count). ``None``: such
+        checks count only towards ``n_iter_no_change``.
 
     Examples
     --------
@@ -189,17 +194,23 @@ class Patience:
     >>> p = Patience(2)
     >>> [p.update(s) for s in (3.0, 2.0, 2.5, 2.5)], p.best, p.stop
     ([True, True, False, False], 2.0, True)
+    >>> p = Patience(5, progress_tol=0.5, n_iter_no_progress=2)
+    >>> [p.update(s) for s in (3.0, 2.0, 1.9, 1.8)], p.best, p.stop
+    ([True, True, False, False], 2.0, True)
     """
 
     def __init__(self, n_iter_no_change: int, tol: float = 0.0, slack: float | None = None,
-                 progress_tol: float = 0.0):
+                 progress_tol: float = 0.0, n_iter_no_progress: int | None = None):
         self.n_iter_no_change = int(n_iter_no_change)
         self.tol = float(tol)
         self.slack = slack
         self.progress_tol = float(progress_tol)
+        self.n_iter_no_progress = None if n_iter_no_progress is None else int(
+            n_iter_no_progress)
         self.best = math.inf
         self.first = None
         self.bad = 0
+        self.creep = 0
 
     def update(self, score: float) -> bool:
         """Record a check's ``score``; whether it improved on the best."""
@@ -207,10 +218,12 @@ class Patience:
             self.first = score
         progress = 0.0 if self.first is None or not math.isfinite(self.best) else (
             self.first - self.best)
-        if improves(score, self.best, self.tol) and (
-                self.best - score > self.progress_tol * progress):
-            self.best, self.bad = score, 0
+        gain = improves(score, self.best, self.tol)
+        if gain and self.best - score > self.progress_tol * progress:
+            self.best, self.bad, self.creep = score, 0, 0
             return True
+        if gain:  # below the best, by less than the progress margin
+            self.creep += 1
         if self.slack is not None and score <= self.best + self.slack * abs(self.best):
             self.bad = 0
         else:
@@ -219,15 +232,17 @@ class Patience:
 
     @property
     def stop(self) -> bool:
-        """Whether ``n_iter_no_change`` checks in a row did not improve."""
-        return self.bad >= self.n_iter_no_change
+        """Whether ``n_iter_no_change`` checks in a row did not improve (or, with
+        ``n_iter_no_progress``, that many crept since the last improvement)."""
+        return self.bad >= self.n_iter_no_change or (
+            self.n_iter_no_progress is not None and self.creep >= self.n_iter_no_progress)
 
 
 def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: int,
              lr: float = 1e-3, validation: Callable | str | None = None,
              validation_freq: int = 100, early_stopping: bool = True,
              n_iter_no_change: int = 5, tol: float = 0.0, progress_tol: float = 0.0,
-             check_start: bool = False,
+             n_iter_no_progress: int | None = None, check_start: bool = False,
              verbose: int = 0, desc: str = "optimising", lr_schedule="constant",
              final_lr_factor: float = 0.01) -> OptimResult:
     """Minimise ``loss_fn(batch)`` over ``params`` with Adam.
@@ -266,6 +281,9 @@ def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: in
         A check must also beat the best score by more than ``progress_tol`` times
         the progress so far (the first check's score minus the best): stop on
         diminishing returns (see :class:`Patience`).
+    n_iter_no_progress : int or None, default=None
+        With ``progress_tol``: also stop after this many checks since the best that
+        beat it by ``tol`` but not by the progress margin (see :class:`Patience`).
     check_start : bool, default=False
         Also score the initial state (as step 0) when ``validation`` is a callable, so
         that a run that only makes things worse restores where it started (useful
@@ -296,7 +314,8 @@ def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: in
     opt = torch.optim.Adam(params, lr=lr)
     res = OptimResult(monitor="none" if validation is None else
                       "loss" if on_loss else "validation")
-    patience = Patience(n_iter_no_change, tol, progress_tol=progress_tol)
+    patience = Patience(n_iter_no_change, tol, progress_tol=progress_tol,
+                        n_iter_no_progress=n_iter_no_progress)
     best_state, last_check = None, 0
     bar = None
     if verbose:

@@ -56,13 +56,17 @@ import torch
 
 from .._core.linalg import cholesky
 from .._core.optim import minibatches
+from .._core.protocol import MINIBATCH_CACHE_ROWS
+from .fmgp_cross import class_groups, factored_batch
 from .gp import FixedMeanGPPosterior
 from .gp_algebra import alpha_energy, joint_cov, latent_cov, variational_terms
 from .kernels import RBF, ClassificationKernel
 
 __all__ = [
+    "FACTORED_STEPS",
     "FEATURE_CACHE_BYTES",
     "FMGPPosterior",
+    "PROGRESS_PATIENCE",
     "PROGRESS_TOL",
     "KERNEL_INIT_ROWS",
     "QSTAR_JITTER",
@@ -91,11 +95,28 @@ START_JITTER = 1e-6
 #: Regression keeps the absolute rule alone (``0``).
 PROGRESS_TOL = 0.1
 
+#: Classification's early stopping also stops after this many checks since the best
+#: that only crept below it (lower by ``tol`` but not by :data:`PROGRESS_TOL` of the
+#: progress; ``n_iter_no_progress`` of :func:`~sklearn_lla._core.optim.minimize`). In
+#: the creep every check is such a one, and ``n_iter_no_change`` (5) of them only
+#: ran steps whose states were thrown away: on the digits CNN (``benchmarks/cnn.py``,
+#: situations b and c) the state restored is the same, after 800 steps instead of
+#: 1,100. Two, not one: a single check that falls short by minibatch noise does not
+#: end the run.
+PROGRESS_PATIENCE = 2
+
 #: Largest size (bytes) of the training rows' cached network outputs ``g(x)`` (and
 #: penultimate features ``psi(x)``): up to it ``fit`` computes them in one pass over
 #: the data and reads them per minibatch; beyond, every step runs the network on
 #: its minibatch (the same numbers, one forward pass per step).
 FEATURE_CACHE_BYTES = 512 * 2**20
+
+#: A training step with :class:`~sklearn_lla.kernels.ClassificationKernel` multiplies
+#: its cross covariances in factored form (:mod:`sklearn_lla._posteriors.fmgp_cross`)
+#: and, with the probit energy at alpha = 1, forms only the latent variances: the same
+#: losses and gradients to float64 round-off (``False``: the dense tensors, as
+#: :meth:`~sklearn_lla.kernels.Kernel.batch` gives them; for tests).
+FACTORED_STEPS = True
 
 
 def default_kernel(task, *, amplitude=None, penultimate_layer=None):
@@ -268,6 +289,10 @@ class FMGPPosterior(FixedMeanGPPosterior):
         Early stopping's diminishing-returns fraction (see
         :func:`~sklearn_lla._core.optim.minimize`); ``"auto"``: :data:`PROGRESS_TOL`
         for classification, 0 for regression.
+    n_iter_no_progress : int, None or "auto", default="auto"
+        Checks that only creep below the best (see
+        :class:`~sklearn_lla._core.optim.Patience`) that stop the run; ``"auto"``:
+        :data:`PROGRESS_PATIENCE` for classification, ``None`` for regression.
     **kwargs
         :class:`~sklearn_lla._posteriors.gp.FixedMeanGPPosterior`'s settings
         (``stopping`` defaults to ``"objective"``).
@@ -280,6 +305,7 @@ class FMGPPosterior(FixedMeanGPPosterior):
     def __init__(self, kernel=None, *, mean_regularizer=True, **kwargs):
         kwargs.setdefault("stopping", "objective")
         self.progress_tol_param = kwargs.pop("progress_tol", "auto")
+        self.n_iter_no_progress_param = kwargs.pop("n_iter_no_progress", "auto")
         super().__init__(**kwargs)
         self.kernel_template = kernel
         self.mean_regularizer = bool(mean_regularizer)
@@ -342,6 +368,7 @@ class FMGPPosterior(FixedMeanGPPosterior):
         (:meth:`_cache_rows`), for the loop's minibatches.
         """
         self._row_cache = self._cache_rows(data)
+        self._groups = class_groups(cz, data.n_outputs) if FACTORED_STEPS else None
         self.cached_rows = 0 if self._row_cache is None else int(self._row_cache[0].shape[0])
         lik = data.likelihood
         N = data.n_samples
@@ -366,6 +393,29 @@ class FMGPPosterior(FixedMeanGPPosterior):
                       else float(self.noise_variance))
                 G = G / math.sqrt(s2)
             L_raw.copy_(optimal_factor(Kzz, G))
+
+    def batch_kernel(self, kernel, x, Z, cz):
+        """The step's ``(Kzz, Kxz, Kxx)``; ``Kxz`` factored for the classification kernel.
+
+        With :class:`~sklearn_lla.kernels.ClassificationKernel` (and
+        :data:`FACTORED_STEPS`), ``Kxz`` is a
+        :class:`~sklearn_lla._posteriors.fmgp_cross.ClassCross`: the step's products
+        with ``W^T`` and ``Q*``'s weights cost ``O(B M^2)`` instead of ``O(B C M^2)``.
+        """
+        if FACTORED_STEPS and getattr(self, "_groups", False) is not False:
+            out = factored_batch(kernel, x, Z, cz, self._groups)
+            if out is not None:
+                return out
+        return kernel.batch(x, Z, cz)
+
+    def diagonal_energy(self, likelihood):
+        """Whether the energy reads only the latent variances: the probit link at alpha = 1.
+
+        FMGP's energies (the fixed-mean and ``Q*`` terms) then form only the diagonal
+        of ``S(x)`` (:data:`FACTORED_STEPS`).
+        """
+        return (FACTORED_STEPS and likelihood.task != "regression" and self.alpha == 1.0
+                and getattr(likelihood, "link_approx", None) == "probit")
 
     def mean_term_noise(self, noise):
         """``sg(s2)`` when the noise is learned from ``Q*`` (see :meth:`extra_loss`)."""
@@ -413,19 +463,27 @@ class FMGPPosterior(FixedMeanGPPosterior):
         feats = self._features if (self._features is not None
                                    and self._features.net is data.lin) else None
         n = data.n_samples
-        rows = []
+        rows, xs, ys = [], [], []
+        keep_xy = n <= MINIBATCH_CACHE_ROWS and not data.is_dask
         bs = self.batch_size
         for start in range(0, n, bs):  # stream order, whatever the storage
-            x, _ = data.rows(slice(start, min(start + bs, n)))
+            x, y = data.rows(slice(start, min(start + bs, n)))
             with torch.no_grad():
                 out = feats(x) if feats is not None else (data.lin.forward(x), None)
             if not rows:
                 width = sum(t[0].numel() for t in out if t is not None)
-                if n * width * out[0].element_size() > FEATURE_CACHE_BYTES:
+                nbytes = n * width * out[0].element_size()
+                if nbytes > FEATURE_CACHE_BYTES:
                     return None
+                nbytes += n * (x[0].numel() * x.element_size() + y[0].numel() * y.element_size())
+                keep_xy = keep_xy and nbytes <= FEATURE_CACHE_BYTES
             rows.append(out)
+            if keep_xy:
+                xs.append(x)
+                ys.append(y)
         g = torch.cat([r[0] for r in rows])
         psi = torch.cat([r[1] for r in rows]) if feats is not None else None
+        self._xy_cache = (torch.cat(xs), torch.cat(ys)) if keep_xy else None
         return g, psi
 
     def training_batches(self, data, generator):
@@ -440,10 +498,34 @@ class FMGPPosterior(FixedMeanGPPosterior):
             yield from minibatches(data, self.batch_size, generator)
             return
         g_all, psi_all = cache
-        for x, y, idx in data.minibatches(self.batch_size, generator, with_index=True):
+        for x, y, idx in self._draws(data, generator):
             t = torch.from_numpy(idx).to(g_all.device)
             self._pin(x, g_all[t], None if psi_all is None else psi_all[t])
             yield x, y
+
+    def _draws(self, data, generator):
+        """``data.minibatches(batch_size, generator, with_index=True)``, read from the
+        cached inputs and targets when :meth:`_cache_rows` kept them.
+
+        Up to ``MINIBATCH_CACHE_ROWS`` rows in memory the stream's draws are an epoch
+        permutation of the rows from ``generator``, in consecutive batches (the last
+        partial one dropped): the same permutations index the cached tensors, which
+        hold the very rows ``data.rows`` reads, without its per-batch copy and sort
+        (``tests/test_fmgp_cost.py`` checks the batches are the stream's).
+        """
+        xy = getattr(self, "_xy_cache", None)
+        if xy is None:
+            yield from data.minibatches(self.batch_size, generator, with_index=True)
+            return
+        x_all, y_all = xy
+        n = data.n_samples
+        bs = min(int(self.batch_size), n)
+        while True:
+            perm = torch.randperm(n, generator=generator).numpy()
+            for start in range(0, n - bs + 1, bs):
+                sel = perm[start:start + bs]
+                t = torch.from_numpy(sel)
+                yield x_all[t.to(x_all.device)], y_all[t.to(y_all.device)], sel
 
     def _pin(self, x, g, psi):
         self._pinned = (weakref.ref(x), x._version, g)
@@ -474,17 +556,24 @@ class FMGPPosterior(FixedMeanGPPosterior):
         """
         self._fit_lik = self._energy_likelihood(data.likelihood)
         progress = self.progress_tol_param
+        regression = data.likelihood.task == "regression"
         if progress == "auto":
-            progress = 0.0 if data.likelihood.task == "regression" else PROGRESS_TOL
+            progress = 0.0 if regression else PROGRESS_TOL
         self.progress_tol = float(progress)
+        if self.n_iter_no_progress_param == "auto":
+            self.n_iter_no_progress = None if regression else PROGRESS_PATIENCE
+        else:
+            self.n_iter_no_progress = self.n_iter_no_progress_param
         self._noise0 = None
         self._gen = data.generator
-        self._row_cache = None
+        self._row_cache = self._xy_cache = None
+        self._groups = False
         try:
             super().fit(data)
         finally:
             self._unpin()
-            del self._fit_lik, self._gen, self._noise0, self._row_cache
+            del (self._fit_lik, self._gen, self._noise0, self._row_cache, self._groups,
+                 self._xy_cache)
         self.q_mu = self.q_mu.detach()
         return self
 

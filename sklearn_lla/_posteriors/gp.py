@@ -40,6 +40,7 @@ from .gp_algebra import (
     alpha_energy,
     init_inducing,
     latent_cov,
+    latent_var_blocks,
     nystrom_blocks,
     subspace_gram,
     torch_threads,
@@ -351,6 +352,9 @@ class FixedMeanGPPosterior(Posterior):
     name : str or None, default=None
         The name shown in progress bars, warnings and errors (the estimator passes
         its own, e.g. ``"VaLLARegressor"``); ``None`` uses the class name.
+    n_iter_no_progress : int or None, default=None
+        With ``progress_tol``: also stop after this many checks since the best that
+        only crept below it (see :class:`~sklearn_lla._core.optim.Patience`).
     """
 
     fitted_attributes = ("prior_variance", "likelihood", "hyper_strategy", "hyper_trace",
@@ -368,7 +372,8 @@ class FixedMeanGPPosterior(Posterior):
                  learning_rate=1e-3, max_iter=5000, batch_size=100, early_stopping=True,
                  validation_freq=100, n_iter_no_change=5, learn_inducing=True,
                  energy_link="probit", n_energy_samples=32, random_state=0,
-                 tol=1e-3, progress_tol=0.0, stopping="auto", name=None):
+                 tol=1e-3, progress_tol=0.0, stopping="auto", name=None,
+                 n_iter_no_progress=None):
         self.n_inducing = int(n_inducing)
         self.covariance = covariance
         self.noise_variance = noise_variance
@@ -386,6 +391,7 @@ class FixedMeanGPPosterior(Posterior):
         self.random_state = int(random_state)
         self.tol = float(tol)
         self.progress_tol = float(progress_tol)
+        self.n_iter_no_progress = n_iter_no_progress
         self.name = name
         self.stopping = stopping
 
@@ -441,6 +447,27 @@ class FixedMeanGPPosterior(Posterior):
         cached network outputs to each batch.
         """
         return minibatches(data, self.batch_size, generator)
+
+    def batch_kernel(self, kernel, x, Z, cz):
+        """``(Kzz, Kxz, Kxx)`` of one training step (a hook; default :meth:`Kernel.batch`).
+
+        A subclass may return for ``Kxz`` an object that is not a tensor but multiplies
+        like one, ``Kxz @ T`` for ``T`` of shape (M, K) or (M,), giving (B, C, K) or
+        (B, C) (FMGP's class-structured cross covariance): the step only multiplies it.
+        Used with ``covariance="full"`` only (the subspace model reads ``Kxz`` itself).
+        """
+        return kernel.batch(x, Z, cz)
+
+    def diagonal_energy(self, likelihood) -> bool:
+        """Whether the step's energy reads only the diagonal of ``S(x)`` (a hook).
+
+        Default ``False``: the full ``C x C`` blocks are formed. A subclass whose
+        energy (and :meth:`extra_loss`) reads only the latent variances (the probit
+        link at alpha = 1) may return ``True``: the step then forms only those
+        (:func:`~sklearn_lla._posteriors.gp_algebra.latent_var_blocks`), the same
+        numbers on the diagonal.
+        """
+        return False
 
     def mean_term_noise(self, noise):
         """The noise variance the fixed-mean term is evaluated with (a hook).
@@ -540,6 +567,7 @@ class FixedMeanGPPosterior(Posterior):
                        early_stopping=self.early_stopping,
                        n_iter_no_change=self.n_iter_no_change, tol=self.tol,
                        progress_tol=self.progress_tol,
+                       n_iter_no_progress=self.n_iter_no_progress,
                        check_start=callable(validation), verbose=data.verbose,
                        desc=f"{self._display_name()}: fitting")
         # -- publish -----------------------------------------------------------------------
@@ -654,6 +682,7 @@ class _VariationalObjective:
         self.regression = data.likelihood.task == "regression"
         self.elik = post._energy_likelihood(data.likelihood)
         self.subspace = post.covariance == "subspace"
+        self.diagonal = (not self.subspace) and bool(post.diagonal_energy(self.elik))
 
     def noise(self):
         """The noise variance in use (a tensor; ``None`` for classification)."""
@@ -679,9 +708,15 @@ class _VariationalObjective:
         """The minibatch objective (a differentiable scalar)."""
         post, data = self.post, self.data
         x, y = batch
-        Kzz, Kxz, Kxx = self.kernel.batch(x, self.Z, self.cz)
+        if self.subspace:
+            Kzz, Kxz, Kxx = self.kernel.batch(x, self.Z, self.cz)
+        else:
+            Kzz, Kxz, Kxx = post.batch_kernel(self.kernel, x, self.Z, self.cz)
         Kzz, chol, terms = self.prior_terms(Kzz)
-        cov = self.cov_of(Kxx, Kxz, chol, terms)
+        if self.diagonal:
+            cov = latent_var_blocks(Kxx, Kxz @ terms.W.T)
+        else:
+            cov = self.cov_of(Kxx, Kxz, chol, terms)
         mean = post._mean(data.lin, x)
         eps = None
         if post._needs_eps(self.elik):
