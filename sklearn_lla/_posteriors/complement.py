@@ -110,9 +110,11 @@ class _FactorSums:
                                 dtype=_F64, device=lin.device)
         self.n, self.tr = 0, 0.0
 
-    def add(self, facs, D, n_points, x):
+    def add(self, facs, D, n_points, x, trace=None):
         """Add one chunk's float64 factors ``[(a, d) per block]`` and diagonal rows
-        (``x``: the chunk's inputs, for the blocks' shapes)."""
+        (``x``: the chunk's inputs, for the blocks' shapes); ``trace``: the chunk's
+        ``tr GGN`` when already known (:func:`_rows_ggn_trace`), else computed from the
+        factors."""
         if self.A is None:
             blocks = self.src.blocks(x)
             dev = self.lin.device
@@ -127,11 +129,15 @@ class _FactorSums:
             self.A[j] += (af.T @ af) / T
             df = d.transpose(2, 3).reshape(-1, d.shape[2])
             self.G[j] += df.T @ df
-            self.tr += _block_trace(a, d)
+            if trace is None:
+                self.tr += _block_trace(a, d)
         if D is not None:
             sq = D.pow(2).sum((0, 1))
             self.diag += sq
-            self.tr += float(sq.sum())
+            if trace is None:
+                self.tr += float(sq.sum())
+        if trace is not None:
+            self.tr += float(trace)
         self.n += int(n_points)
 
     def result(self):
@@ -160,6 +166,18 @@ def _kfac_pass(payload, batches):
             sums.add(facs, D, 0, x)
         sums.n += x.shape[0]
     return sums.result()
+
+
+def _rows_ggn_trace(rows, mix):
+    """``sum_b tr(Lam_b J_b J_b^T)`` of a chunk's rows (all outputs), float64: the
+    GGN trace's share of the chunk, from the per-point NTK blocks of the rows the
+    features are read from (``C x C`` per point; cheaper than the Kronecker blocks'
+    trace from their factors, :func:`_block_trace`)."""
+    K = rows.diag_blocks()  # (B, C, C), float64
+    if mix is None:
+        return float(torch.einsum("bcc->", K))
+    M = mix(rows.output.to(_F64))  # (B, K, C): the mixed rows are M J
+    return float(torch.einsum("bkc,bcd,bkd->", M, K, M))
 
 
 def kfac_and_rows_pass(payload, batches):
@@ -194,9 +212,10 @@ def kfac_and_rows_pass(payload, batches):
             C = lin.n_outputs(x[:1])
         for sl in _chunks(src, x, C):
             rows, (_, facs, D) = src.rows_and_factors(x[sl], mix, _F64)
+            tr = _rows_ggn_trace(rows, mix)
             fn(rows, x[sl], y[sl], state)
             del rows
-            sums.add(facs, D, min(sl.stop, x.shape[0]) - sl.start, x)
+            sums.add(facs, D, min(sl.stop, x.shape[0]) - sl.start, x, trace=tr)
     return (*sums.result(), *state)
 
 
@@ -241,6 +260,7 @@ class KFACComplement:
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_source"] = None
+        state.pop("_kept_check", None)
         return state
 
     def __init__(self, lin, data, Q, sums=None):
@@ -327,7 +347,7 @@ class KFACComplement:
         outside = total - float(inside_trace)
         self.outside_fraction = max(outside, 0.0) / total if total > 0 else 0.0
         self.scale = 1.0 if self.outside_fraction > OUTSIDE_RTOL else 0.0
-        self._cache, self._sq_cache = {}, {}
+        self._cache, self._sq_cache, self._dir_cache = {}, {}, {}
         return self.scale
 
     # ---------------------------------------------------------------- evidence
@@ -461,15 +481,62 @@ class KFACComplement:
             cache[tau] = {n: out[n].to(self.lin.dtype) for n in self.lin.names}
         return cache[tau]
 
-    def _terms(self, factors, tau, joint, cross=True):
+    def _rotated_dirs(self, tau, dtype):
+        """``[Q ; Sigma_unit Q^T]`` in the Kronecker eigenbases, per block ``(2K, out,
+        in')`` and on the diagonal parameters ``(2K, p_diag)``, in ``dtype`` (cached
+        per ``tau``): the directions whose products with a prediction's rotated row
+        blocks are ``J(x) Q^T`` (the features, when ``Q`` is their basis) and ``j^T
+        Sigma_unit Q^T`` (:meth:`features_and_covariance`)."""
+        cache = self.__dict__.setdefault("_dir_cache", {})
+        key = (tau, dtype)
+        if key not in cache:
+            W, _, U, Ud, _ = self._pieces(tau)
+            _, Qt = self._rotated()
+            K, start, blocks = len(self.Q), 0, []
+            for w, u in zip(W, U):
+                q = Qt[:, start:start + w.numel()].reshape(K, *w.shape)
+                blocks.append(torch.cat([q, u]).to(dtype))
+                start += w.numel()
+            diag = torch.cat([Qt[:, start:], Ud]).to(dtype) if self.diag_names else None
+            if len(cache) > 8:
+                cache.clear()
+            cache[key] = (blocks, diag)
+        return cache[key]
+
+    def _is_kept_basis(self, features):
+        """Whether ``features``' directions are the rows of ``Q`` (to their dtype's
+        round-off), so that ``phi = J(x) Q^T`` (checked once per features object)."""
+        seen = self.__dict__.get("_kept_check")
+        T = features.tangents
+        if seen is not None and seen[0] is T:
+            return seen[1]
+        same = False
+        if self.Q is not None and T is not None:
+            from .._network.linearized import stack_flat
+
+            T = self.lin._tangents(T)
+            V = stack_flat(T, self.lin.names)
+            if V.shape == self.Q.shape:
+                eps = torch.finfo(V.dtype).eps
+                scale = float(self.Q.abs().max())
+                same = float((V.to(_F64) - self.Q).abs().max()) <= 8 * eps * scale
+        self._kept_check = (features.tangents, same)
+        return same
+
+    def _terms(self, factors, tau, joint, cross=True, dirs=None):
         """``(j^T Sigma_unit j, j^T Sigma_unit Q^T)`` from the layer factors of a batch
         (:meth:`~sklearn_lla._posteriors.kfac_layers.GraphFactors.factors`): per point
         ``(B, C, C)`` (``joint``: between all rows, ``(B C, B C)``) and ``(B, C, K)``
         (or ``None``; also without ``cross``). The rotations into the eigenbases are
         done in the factors' dtype (float64, or the network's for a prediction), the
-        sums over the blocks in float64."""
+        sums over the blocks in float64. ``dirs``: other directions ``(per block
+        (L, out, in'), diagonal (L, p_diag))`` given in the eigenbases and the factors'
+        dtype, whose products ``(B, C, L)`` replace ``j^T Sigma_unit Q^T``
+        (:meth:`_rotated_dirs`)."""
         W, wd, U, Ud, _ = self._pieces(tau)
-        if not cross:
+        if dirs is not None:
+            U, Ud = dirs
+        elif not cross:
             U = Ud = None
         _, facs, D = factors
         B, C = (facs[0][1].shape[:2] if facs and facs[0] is not None else D.shape[:2])
@@ -478,8 +545,9 @@ class KFACComplement:
         W = [w.to(dt_) for w in W]
         quad = torch.zeros((B * C, B * C) if joint else (B, C, C), dtype=_F64,
                            device=self.lin.device)
-        JU = None if U is None else torch.zeros((B, C, len(self.Q)), dtype=_F64,
-                                                device=self.lin.device)
+        L = None if U is None else next(
+            (u.shape[0] for u in U if u is not None), None if Ud is None else Ud.shape[0])
+        JU = None if U is None else torch.zeros((B, C, L), dtype=_F64, device=self.lin.device)
         for j, (f, (Ug, Ua), w) in enumerate(zip(facs, eig, W)):
             if f is None:
                 continue
@@ -509,14 +577,14 @@ class KFACComplement:
             if JU is not None:
                 JU += Z @ U[j].reshape(len(U[j]), -1).T
         if D is not None:
+            if JU is not None:
+                JU += D.to(Ud.dtype) @ Ud.T
             D = D.to(_F64)
             if joint:
                 Ds = D.reshape(B * C, -1) * wd.sqrt()
                 quad += Ds @ Ds.T
             else:
                 quad += (D * wd) @ D.transpose(1, 2)
-            if JU is not None:
-                JU += D @ Ud.T
         return quad, JU
 
     def covariance(self, x, phi_o, s0, s2):
@@ -609,6 +677,18 @@ class KFACComplement:
         gs, phis, covs = [], [], []
         C = getattr(self, "_n_out", None) or self.lin.n_outputs(x[:1])
         self._n_out = C
+        if W is None and self._is_kept_basis(features):
+            # phi = J(x) Q^T and j^T Sigma Q^T from the row blocks rotated into the
+            # Kronecker eigenbases (which the complement's terms need anyway): the
+            # blocks are never formed in the parameters' own basis
+            dirs, K = self._rotated_dirs(tau, self.lin.dtype), len(self.Q)
+            for sl in _chunks(self.source, x, C):
+                facs = self.source.factors(x[sl], dtype=self.lin.dtype)
+                quad, P = self._terms(facs, tau, joint=False, dirs=dirs)
+                gs.append(facs[0].to(_F64))
+                phis.append(P[..., :K])
+                covs.append(self._with_cross(quad, P[..., K:], P[..., :K], tau))
+            return torch.cat(gs), torch.cat(phis), mult * self._psd(covs)
         SQ = None if self.Q is None else self._sigma_q(tau)
         for sl in _chunks(self.source, x, C):
             rows, facs = self.source.rows_and_factors(x[sl])

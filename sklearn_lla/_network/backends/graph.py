@@ -53,6 +53,10 @@ _F64 = torch.float64
 #: Elements (per chunk of points) of the rows, signals and patches a product holds.
 CHUNK_ELEMENTS = 2**25
 
+#: Elements of the dense rows converted to float64 at once by
+#: :meth:`GraphRows.diag_blocks`.
+DIAG_BLOCK_ELEMENTS = 2**18
+
 #: Largest number of Jacobian entries the check at construction compares (all outputs
 #: of two example rows; beyond it, one selected output per row).
 CHECK_ELEMENTS = 2**22
@@ -157,8 +161,14 @@ class GraphRows(Rows):
         """
         out = None if self.factors is None else self.factors.diag_blocks()
         if self.D is not None:
-            J = self.D.to(_F64).view(self.n_points, self.rows_per_point, -1)
-            blk = J @ J.transpose(1, 2)
+            B, k = self.n_points, self.rows_per_point
+            J = self.D.view(B, k, -1)
+            # float64 copies of a few points' rows at a time (cache-sized)
+            step = max(1, DIAG_BLOCK_ELEMENTS // max(1, k * J.shape[-1]))
+            blk = torch.empty((B, k, k), dtype=_F64, device=J.device)
+            for s in range(0, B, step):
+                Js = J[s:s + step].to(_F64)
+                torch.bmm(Js, Js.transpose(1, 2), out=blk[s:s + step])
             out = blk if out is None else out + blk
         return out
 
