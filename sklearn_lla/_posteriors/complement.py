@@ -569,13 +569,14 @@ class KFACComplement:
                 continue
             # the rotated row blocks, one batched product per point: (B, C, out in')
             Z = torch.bmm(dt.reshape(B, -1, dt.shape[-1]), at).reshape(B, C, -1)
-            if joint:
-                Zs = Z.reshape(B * C, -1) * w.reshape(-1).sqrt()
-                quad += Zs @ Zs.T
-            else:
-                quad += (Z * w.reshape(-1)) @ Z.transpose(1, 2)
             if JU is not None:
                 JU += Z @ U[j].reshape(len(U[j]), -1).T
+            Z.mul_(w.reshape(-1).sqrt())  # in place: no second block-sized temporary
+            if joint:
+                Zs = Z.reshape(B * C, -1)
+                quad += Zs @ Zs.T
+            else:
+                quad += Z @ Z.transpose(1, 2)
         if D is not None:
             if JU is not None:
                 JU += D.to(Ud.dtype) @ Ud.T

@@ -219,8 +219,9 @@ class GraphFactors:
         return self._blocks
 
     def step(self, n_rows: int) -> int:
-        """Points per chunk of :meth:`factors` (the backend's chunk budget)."""
-        return self.backend.kernel_step(n_rows)
+        """Points per chunk of :meth:`factors` (the backend's budget of a recorded
+        pass, :meth:`~sklearn_lla._network.backends.graph.GraphBackend.rows_step`)."""
+        return self.backend.rows_step(n_rows)
 
     def factors(self, x: Tensor, mix=None, dtype=_F64) -> tuple:
         """``(g, [(a, d) per block], D)`` at ``x`` (module docstring), float64.
