@@ -100,6 +100,20 @@ def _block_trace(a, d):
     return float(torch.bmm(d.reshape(b, K * o, T), a).pow(2).sum())
 
 
+def _gram_t64(X):
+    """``X^T X`` in float64 for ``X`` of shape ``(n, p)`` in any dtype (on the CPU by
+    BLAS ``syrk``: half the multiplications of a general product, no transposed
+    copy)."""
+    X = X.to(_F64).contiguous()
+    if X.device.type != "cpu" or X.shape[0] < 64:
+        return X.T @ X
+    from scipy.linalg.blas import dsyrk
+
+    # X (n, p) in C order is X^T (p, n) in Fortran order: syrk's A A^T is X^T X
+    up = torch.from_numpy(dsyrk(1.0, X.numpy().T)).triu_()
+    return up.add_(up.triu(1).T)
+
+
 class _FactorSums:
     """The row sums of the KFAC factors (module docstring) over chunks of points."""
 
@@ -111,10 +125,12 @@ class _FactorSums:
         self.n, self.tr = 0, 0.0
 
     def add(self, facs, D, n_points, x, trace=None):
-        """Add one chunk's float64 factors ``[(a, d) per block]`` and diagonal rows
-        (``x``: the chunk's inputs, for the blocks' shapes); ``trace``: the chunk's
-        ``tr GGN`` when already known (:func:`_rows_ggn_trace`), else computed from the
-        factors."""
+        """Add one chunk's factors ``[(a, d) per block]`` and diagonal rows (``x``: the
+        chunk's inputs, for the blocks' shapes); ``trace``: the chunk's ``tr GGN`` when
+        already known (:func:`_rows_ggn_trace`), else computed from the factors (then
+        float64). The factors may be in the network's dtype (the signals mixed by the
+        likelihood's curvature there, a product of Jacobian rows): the products and
+        the sums are float64."""
         if self.A is None:
             blocks = self.src.blocks(x)
             dev = self.lin.device
@@ -125,14 +141,17 @@ class _FactorSums:
                 continue
             a, d = f  # (b, T, in'), (b, K, out, T)
             T = a.shape[1]
-            af = a.reshape(-1, a.shape[-1])
-            self.A[j] += (af.T @ af) / T
-            df = d.transpose(2, 3).reshape(-1, d.shape[2])
-            self.G[j] += df.T @ df
+            self.A[j] += _gram_t64(a.reshape(-1, a.shape[-1])) / T
+            b_, K_, o, _ = d.shape
+            # (b, K, T, out) in float64 in one copy: G = sum over (b, k, t) of d d^T
+            df = torch.empty((b_, K_, T, o), dtype=_F64, device=d.device)
+            df.copy_(d.transpose(2, 3))
+            self.G[j] += _gram_t64(df.reshape(-1, o))
+            del df
             if trace is None:
-                self.tr += _block_trace(a, d)
+                self.tr += _block_trace(a.to(_F64), d.to(_F64))
         if D is not None:
-            sq = D.pow(2).sum((0, 1))
+            sq = D.to(_F64).pow(2).sum((0, 1))
             self.diag += sq
             if trace is None:
                 self.tr += float(sq.sum())
@@ -211,7 +230,9 @@ def kfac_and_rows_pass(payload, batches):
         if C is None:
             C = lin.n_outputs(x[:1])
         for sl in _chunks(src, x, C):
-            rows, (_, facs, D) = src.rows_and_factors(x[sl], mix, _F64)
+            # the factors in the network's dtype (the mixed signals are products of
+            # Jacobian rows), their products and sums in float64 (_FactorSums.add)
+            rows, (_, facs, D) = src.rows_and_factors(x[sl], mix, lin.dtype)
             tr = _rows_ggn_trace(rows, mix)
             fn(rows, x[sl], y[sl], state)
             del rows

@@ -278,7 +278,7 @@ class GraphFactors:
         from .._network.backends.graph import conv_patches, layer_blocks
 
         B, C = g.shape
-        M = None if mix is None else mix(g.to(_F64))
+        M = None if mix is None else mix(g.to(_F64)).to(dtype)
         K = C if M is None else M.shape[1]
         out = []
         for i, blk in zip(self._kron, self._blocks):
