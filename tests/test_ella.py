@@ -879,12 +879,13 @@ def test_auto_n_components_cost_cap(reg, monkeypatch):
 @pytest.mark.parametrize("k", [5, 20, 60])
 def test_block_lanczos_top_eigenpairs_equal_lapacks(k):
     """The Nystrom Gram's top ``k`` eigenpairs by block Lanczos
-    (:func:`~sklearn_lla._posteriors.ella._krylov_top_eigh`, used when ``12 k <= M``)
+    (:func:`~sklearn_lla._posteriors.ella._krylov_top_eigh`, used when ``20 k <= M``)
     equal LAPACK's ``syevr``: eigenvalues to 1e-13 of ``lam_1`` (both are backward
     stable: round-off ``~M eps lam_1``) and the span to 1e-8 (its round-off divided by
     the gap below ``lam_k``, here ``>= 1e-3 lam_1``), orthonormal vectors; a Gram of
-    lower rank than the Krylov space needs is left to LAPACK (``None``), and
-    :func:`_top_eigh` then still returns LAPACK's pairs."""
+    lower rank than the Krylov space needs, or a flat spectrum (no convergence in
+    sight), is left to LAPACK (``None``), and :func:`_top_eigh` then still returns
+    LAPACK's pairs."""
     import scipy.linalg
 
     from sklearn_lla._posteriors.ella import _krylov_top_eigh, _top_eigh
@@ -906,3 +907,5 @@ def test_block_lanczos_top_eigenpairs_equal_lapacks(k):
     assert _krylov_top_eigh(low, k) is None
     th, X = _top_eigh(low, k)
     np.testing.assert_allclose(th[:k // 2].numpy(), lam[:k // 2].numpy(), rtol=1e-10)
+    flat = (Q * (1.0 + torch.rand(M, generator=gen, dtype=DT))) @ Q.T
+    assert _krylov_top_eigh(flat, k) is None

@@ -58,7 +58,7 @@ CHUNK_ELEMENTS = 2**25
 #: :data:`CHUNK_ELEMENTS`, so that the pass's temporaries (each below 32 MB) are reused
 #: by the allocator instead of mapped and faulted in afresh for every chunk. On the
 #: digits CNN (one thread) the 2,000 Nystrom rows took 0.17 s instead of 0.25 s, the
-#: KFAC training pass and the predictions about 15 % less (``docs/cnn.md``).
+#: KFAC training pass and the predictions about 15 % less.
 ROWS_CHUNK_ELEMENTS = 2**23
 
 #: Elements of the dense rows converted to float64 at once by
