@@ -669,7 +669,11 @@ class KFACComplement:
 
         The rows that give ``phi(x) = J(x) V`` are contracted from the same layer
         signals (inputs and back-propagated signals) as the complement's KFAC terms,
-        so the pass is done once.
+        so the pass is done once. When ``V`` is the kept orthonormal basis ``Q``
+        itself (``W`` is ``None``: ELLA), the features and ``j^T Sigma Q^T`` are read
+        from the row blocks rotated into the Kronecker eigenbases, one product with
+        ``[Q; Sigma Q^T]`` there, and a convolution's row blocks are never formed in
+        the parameters' own basis.
 
         Parameters
         ----------

@@ -7,9 +7,10 @@ posterior of :mod:`sklearn_lla._posteriors.glm`:
 1. draw ``M`` pairs ``(x_m, i_m)`` (training point, output index) uniformly without
    replacement from the ``N * C`` pairs (all of them when ``M >= N * C``);
 2. ``Kt = Jt Jt^T`` (M x M) in float64, ``Jt`` the rows ``grad g_{i_m}(x_m)``; its
-   top-``K`` eigenpairs ``(lam_k, u_k)`` by ``eigh`` with escalating jitter
-   (``n_components="auto"``: every numerically positive eigenvalue, capped by the
-   memory of ``V``);
+   top-``K`` eigenpairs ``(lam_k, u_k)`` by block Lanczos when ``20 K <= M`` (to
+   round-off, :func:`_krylov_top_eigh`), else LAPACK (``syevr`` for the top ``K``, or
+   ``eigh`` with escalating jitter) (``n_components="auto"``: every numerically
+   positive eigenvalue, capped by the memory of ``V``);
 3. ``v_k = Jt^T u_k / sqrt(lam_k)`` by vector-Jacobian products (memory O(P K));
 4. ``phi(x) = J(x) V`` and ``g(x)`` from one forward pass with ``K`` tangents;
 5. ``G = sum_n phi_n^T Lam_n phi_n`` streamed over the training data;
