@@ -874,3 +874,38 @@ def test_auto_n_components_cost_cap(reg, monkeypatch):
     # the kept components are the leading ones of the full basis
     np.testing.assert_allclose(capped.posterior_.features.eigvals,
                                full.posterior_.features.eigvals[:3], rtol=1e-12)
+
+
+@pytest.mark.parametrize("k", [5, 20, 60])
+def test_block_lanczos_top_eigenpairs_equal_lapacks(k):
+    """The Nystrom Gram's top ``k`` eigenpairs by block Lanczos
+    (:func:`~sklearn_lla._posteriors.ella._krylov_top_eigh`, used when ``20 k <= M``)
+    equal LAPACK's ``syevr``: eigenvalues to 1e-13 of ``lam_1`` (both are backward
+    stable: round-off ``~M eps lam_1``) and the span to 1e-8 (its round-off divided by
+    the gap below ``lam_k``, here ``>= 1e-3 lam_1``), orthonormal vectors; a Gram of
+    lower rank than the Krylov space needs, or a flat spectrum (no convergence in
+    sight), is left to LAPACK (``None``), and :func:`_top_eigh` then still returns
+    LAPACK's pairs."""
+    import scipy.linalg
+
+    from sklearn_lla._posteriors.ella import _krylov_top_eigh, _top_eigh
+
+    gen = torch.Generator().manual_seed(3)
+    M = 1000
+    Q = torch.linalg.qr(torch.randn(M, M, generator=gen, dtype=DT))[0]
+    lam = 1e6 * torch.arange(1, M + 1, dtype=DT) ** -1.5  # the CNN Gram's decay
+    A = (Q * lam) @ Q.T
+    want, U = scipy.linalg.eigh(A.numpy(), subset_by_index=[M - k, M - 1], driver="evr")
+    want, U = torch.from_numpy(want[::-1].copy()), torch.from_numpy(U[:, ::-1].copy())
+    for got in (_krylov_top_eigh(A, k), _top_eigh(A, k)):
+        th, X = got
+        assert th.shape == (k,) and X.shape == (M, k)
+        np.testing.assert_allclose(th.numpy(), want.numpy(), rtol=0, atol=1e-13 * float(want[0]))
+        assert float(torch.linalg.matrix_norm(X - U @ (U.T @ X), 2)) < 1e-8
+        np.testing.assert_allclose((X.T @ X).numpy(), np.eye(k), atol=1e-12)
+    low = (Q[:, :k // 2] * lam[:k // 2]) @ Q[:, :k // 2].T  # rank k / 2 < k
+    assert _krylov_top_eigh(low, k) is None
+    th, X = _top_eigh(low, k)
+    np.testing.assert_allclose(th[:k // 2].numpy(), lam[:k // 2].numpy(), rtol=1e-10)
+    flat = (Q * (1.0 + torch.rand(M, generator=gen, dtype=DT))) @ Q.T
+    assert _krylov_top_eigh(flat, k) is None

@@ -7,9 +7,10 @@ posterior of :mod:`sklearn_lla._posteriors.glm`:
 1. draw ``M`` pairs ``(x_m, i_m)`` (training point, output index) uniformly without
    replacement from the ``N * C`` pairs (all of them when ``M >= N * C``);
 2. ``Kt = Jt Jt^T`` (M x M) in float64, ``Jt`` the rows ``grad g_{i_m}(x_m)``; its
-   top-``K`` eigenpairs ``(lam_k, u_k)`` by ``eigh`` with escalating jitter
-   (``n_components="auto"``: every numerically positive eigenvalue, capped by the
-   memory of ``V``);
+   top-``K`` eigenpairs ``(lam_k, u_k)`` by block Lanczos when ``20 K <= M`` (to
+   round-off, :func:`_krylov_top_eigh`), else LAPACK (``syevr`` for the top ``K``, or
+   ``eigh`` with escalating jitter) (``n_components="auto"``: every numerically
+   positive eigenvalue, capped by the memory of ``V``);
 3. ``v_k = Jt^T u_k / sqrt(lam_k)`` by vector-Jacobian products (memory O(P K));
 4. ``phi(x) = J(x) V`` and ``g(x)`` from one forward pass with ``K`` tangents;
 5. ``G = sum_n phi_n^T Lam_n phi_n`` streamed over the training data;
@@ -54,15 +55,97 @@ AUTO_MIN_COMPONENTS = 20
 #: ``V`` (factored rows hold far fewer than ``M x P``).
 ROWS_HELD = 2**27
 
+_F64 = torch.float64
+
+
+#: Block size of :func:`_krylov_top_eigh`.
+KRYLOV_BLOCK = 24
+
+#: Relative residual ``||Kt x - lam x|| / lam_1`` at which :func:`_krylov_top_eigh`
+#: stops (a few hundred units of round-off: its Ritz pairs are then those of a full
+#: ``eigh`` to round-off, ``test_ella.py``).
+KRYLOV_TOL = 1e-13
+
+
+def _krylov_top_eigh(A, k, block=KRYLOV_BLOCK, tol=KRYLOV_TOL):
+    """The top ``k`` eigenpairs of the symmetric float64 ``A`` by block Lanczos with
+    full reorthogonalisation, or ``None`` when it does not converge within half of
+    ``A``'s size (or the Krylov space becomes invariant before it does).
+
+    Each step is one product of ``A`` with ``block`` vectors (BLAS 3, where LAPACK's
+    tridiagonal reduction of all of ``A`` streams it once per column); from ``4 k``
+    Krylov vectors on, the Ritz pairs of the block-tridiagonal projection ``H`` are
+    checked by their exact residuals ``||A x - theta x|| = ||R s_last||`` (``R`` the
+    new block's QR factor, ``s_last`` the Ritz vector's last block), and returned
+    when every one of the top ``k`` is below ``tol * theta_1``. The start block is a
+    fixed Gaussian draw (the estimator's random stream is not touched), so the result
+    is deterministic. Measured on the digits CNN's ``M = 2000`` Gram (``k = 54``):
+    about 400 Krylov vectors, eigenvalues within 4e-16 ``lam_1`` and the span within
+    1e-12 of ``syevr``'s, 0.33-0.40 s against 0.67-0.72 s (one thread); on a flat
+    spectrum it gives up after 0.06-0.17 s.
+    """
+    M = A.shape[0]
+    max_dim = M // 2
+    b = max(1, min(block, max_dim // 4))
+    g = torch.Generator(device=A.device).manual_seed(0)
+    Qt = torch.zeros((max_dim + b, M), dtype=_F64, device=A.device)  # basis as rows
+    H = torch.zeros((max_dim + b, max_dim + b), dtype=_F64, device=A.device)
+    Qt[:b] = torch.linalg.qr(torch.randn(M, b, generator=g, dtype=_F64,
+                                         device=A.device))[0].T
+    j, scale, last = 0, None, None  # last: (n, largest residual) at the last check
+    while j + b <= max_dim:
+        n = j + b
+        Wt = Qt[j:n] @ A  # (A symmetric)
+        C = Wt @ Qt[:n].T  # classical Gram-Schmidt, twice
+        Wt -= C @ Qt[:n]
+        C2 = Wt @ Qt[:n].T
+        Wt -= C2 @ Qt[:n]
+        H[j:n, :n] = C + C2
+        Qn, R = torch.linalg.qr(Wt.T)
+        # checks from 4 k vectors on, each after the space grew by a quarter (their
+        # eigh costs O(n^3)); given up when the residual's decay so far would not
+        # reach the tolerance within twice max_dim (a flat spectrum: LAPACK is cheaper)
+        if n >= min(4 * k, max_dim - b) and (last is None or n >= 1.25 * last[0]
+                                              or n + b > max_dim):
+            Hs = H[:n, :n]
+            th, S = torch.linalg.eigh(0.5 * (Hs + Hs.T))
+            th, S = th.flip(0)[:k], S.flip(1)[:, :k]
+            worst = float((R @ S[j:n]).norm(dim=0).max())
+            goal = tol * float(th[0])
+            if float(th[0]) > 0 and worst <= goal:
+                return th, (S.T @ Qt[:n]).T
+            if last is not None and goal > 0:
+                rate = (worst / last[1]) ** (1.0 / (n - last[0])) if last[1] > 0 else 1.0
+                # (the decay accelerates: only a projection far beyond max_dim aborts)
+                if not rate < 1.0 or n + np.log(goal / worst) / np.log(rate) > 2 * max_dim:
+                    return None
+            last = (n, worst)
+        scale = float(torch.diagonal(H[:n, :n]).abs().max()) if scale is None else scale
+        if not float(torch.diagonal(R).abs().min()) > 1e-10 * scale:
+            return None  # (nearly) invariant: the next block would be round-off
+        H[n:n + b, j:n] = R
+        H[j:n, n:n + b] = R.T
+        Qt[n:n + b] = Qn.T
+        j = n
+    return None
+
 
 def _top_eigh(Kt, k):
     """The top ``k`` eigenpairs of the symmetric ``Kt``, in descending order.
 
-    On the CPU, when ``k`` is well below the size, LAPACK's ``syevr`` computes only
-    those (faster than a full ``eigh``; ``docs/cnn.md``); otherwise,
-    or if it fails, the full :func:`safe_eigh`.
+    When ``20 k <= M``, block Lanczos (:func:`_krylov_top_eigh`: 300-400 Krylov
+    vectors for ``k = 21-54`` of ``M = 2000`` on the digits CNN and a Year-shaped MLP,
+    0.3-0.4 s against 0.6-0.8 s for ``syevr``, one thread); else, or if it does not
+    converge, on the CPU LAPACK's ``syevr`` for those ``k`` only (faster than a full
+    ``eigh``; ``docs/cnn.md``); otherwise, or if it fails, the full :func:`safe_eigh`.
     """
     M = Kt.shape[0]
+    if 20 * k <= M and M >= 256:
+        A = (0.5 * (Kt + Kt.T)).double()
+        if bool(torch.isfinite(A).all()):
+            out = _krylov_top_eigh(A, k)
+            if out is not None:
+                return out
     if Kt.device.type == "cpu" and 4 * k <= M:
         import scipy.linalg
 

