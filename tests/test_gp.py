@@ -367,6 +367,29 @@ def test_without_held_out_rows_early_stopping_watches_the_objective():
     assert post.hyper_trace["validation"][0][0] == 0  # the start is scored too
 
 
+def test_released_block_runs_on_the_setting_the_limit_lowered():
+    """``torch_threads_released`` inside a ``torch_threads(1)`` block runs with the
+    setting before the limit, then lowers it again; outside a limit it does nothing;
+    nested limits restore the original setting at the end."""
+    from sklearn_lla._core.utils import torch_threads, torch_threads_released
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with torch_threads_released():
+            assert torch.get_num_threads() == 2
+        with torch_threads(1):
+            assert torch.get_num_threads() == 1
+            with torch_threads_released():
+                assert torch.get_num_threads() == 2
+                with torch_threads(1):  # nested: the outer limit's record is kept
+                    assert torch.get_num_threads() == 2
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_fit_runs_torch_on_one_thread_and_restores_the_setting():
     before = torch.get_num_threads()
     seen = []

@@ -44,6 +44,8 @@ KMEANS_MAX_ROWS = 20_000
 #: ``B C x M``): a thread pool only adds synchronisation, and on a machine whose cores
 #: are busy its spinning workers wait for cores (``benchmarks/bench_valla.py``: one
 #: thread is faster even on an idle machine, and 10-70 x faster on a loaded one).
+#: VaLLA's passes of Jacobian rows (large products) run with the setting this lowered
+#: (:func:`~sklearn_lla._core.utils.torch_threads_released`).
 FIT_THREADS = 1
 
 # ---------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ import torch
 
 from .._core.hyper import OBJECTIVE, Fixed, VariationalEnergy
 from .._core.linalg import cholesky
+from .._core.utils import torch_threads_released
 from .complement import KFACComplement, supports_kfac_complement
 from .gp import FixedMeanGPPosterior, Kernel
 from .gp_algebra import (
@@ -148,8 +149,9 @@ class NTKKernel(Kernel):
         With ``Z`` fixed the rows at ``Z`` are those of :meth:`_z_side` (computed
         once while ``z`` is the same, unmodified tensor).
         """
-        Fz = self._z_rows(z, cz) if z.requires_grad else self._z_side(z, cz)[0]
-        return self.lin.cross_and_diag(x, Fz, self.n_outputs)
+        with torch_threads_released():  # a pass of large products: every thread
+            Fz = self._z_rows(z, cz) if z.requires_grad else self._z_side(z, cz)[0]
+            return self.lin.cross_and_diag(x, Fz, self.n_outputs)
 
     def batch(self, x, z, cz):
         """``(Kzz, Kxz, Kxx)`` for a training step, evaluating the network at ``Z`` once.
@@ -456,6 +458,10 @@ class VaLLAPosterior(ComplementMixin, FixedMeanGPPosterior):
     def _prior_and_v(self, x):
         """The engine's ``(prior blocks, Kxz W^T)``; with the complement, the prior is
         ``Qxx`` plus the complement's ``S_perp``."""
+        with torch_threads_released():  # J(x)'s rows: large products, every thread
+            return self._prior_and_v_rows(x)
+
+    def _prior_and_v_rows(self, x):
         comp = self.__dict__.get("_complement")
         if comp is None:
             return super()._prior_and_v(x)
