@@ -328,25 +328,23 @@ class _ClassLikelihood(Likelihood):
             params["covariance_scale"] = self.covariance_scale
         return params
 
-    def with_temperature(self, temperature: float):
-        """A copy whose predictive is tempered by ``temperature`` (> 0)."""
-        if not (np.isfinite(temperature) and temperature > 0):
-            raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
+    def _copy_with(self, name: str, value: float):
+        """A copy with the positive scalar ``name`` set to ``value``."""
+        if not (np.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be finite and > 0, got {value!r}")
         import copy
 
         lik = copy.copy(self)
-        lik.temperature = float(temperature)
+        setattr(lik, name, float(value))
         return lik
+
+    def with_temperature(self, temperature: float):
+        """A copy whose predictive is tempered by ``temperature`` (> 0)."""
+        return self._copy_with("temperature", temperature)
 
     def with_covariance_scale(self, scale: float):
         """A copy whose latent covariance is multiplied by ``scale`` (> 0)."""
-        if not (np.isfinite(scale) and scale > 0):
-            raise ValueError(f"covariance_scale must be finite and > 0, got {scale!r}")
-        import copy
-
-        lik = copy.copy(self)
-        lik.covariance_scale = float(scale)
-        return lik
+        return self._copy_with("covariance_scale", scale)
 
     def _tempered(self, mean, cov):
         c = getattr(self, "covariance_scale", 1.0)  # pickles from before it existed
