@@ -428,6 +428,15 @@ def _sharpest_temperature(likelihood, mean, cov, eps, lo, hi):
         return math.exp(b), raw
 
 
+def _warn_temperature_at_upper_bound():
+    """The warning of a kept temperature at the top of :data:`TEMPERATURE_RANGE` (raised
+    for the caller of the public calibration that found it)."""
+    warnings.warn(f"the temperature calibrated on the held-out rows is at the upper bound "
+                  f"{TEMPERATURE_RANGE[1]:g} of its range: the predictive is near uniform; "
+                  "check that the held-out labels are the network's classes",
+                  HyperparameterWarning, stacklevel=4)
+
+
 def _fit_temperature(likelihood, mean, cov, y, eps, rows):
     """The held-out NLL's minimiser over ``[T_min, 100]`` on ``rows``:
     ``(_bounded_log_search's result, T_min, the network's mean confidence)``."""
@@ -478,8 +487,6 @@ def calibrate_temperature(likelihood, mean, cov, y, *, eps=None, warn=True):
     temperature : float
     trace : dict
     """
-    lo, hi = TEMPERATURE_RANGE
-
     def fit(rows):
         return _fit_temperature(likelihood, mean, cov, y, eps, rows)
 
@@ -507,10 +514,7 @@ def calibrate_temperature(likelihood, mean, cov, y, *, eps=None, warn=True):
     helps = oof_fit < oof_one
     T = math.exp(u) if helps else 1.0
     if warn and helps and at_edge and u > 0:
-        warnings.warn(f"the temperature calibrated on the held-out rows is at the upper bound "
-                      f"{hi:g} of its range: the predictive is near uniform; check that the "
-                      "held-out labels are the network's classes", HyperparameterWarning,
-                      stacklevel=3)
+        _warn_temperature_at_upper_bound()
     # The lower end is a cap by design (the network's own sharpness, on average and
     # per row), reached whenever the held-out rows have (almost) no errors; the trace
     # records it (``"at_sharpening_limit"``). It warns only when the predictive there is
@@ -617,10 +621,7 @@ def calibrate_classification(likelihood, mean, cov, y, *, eps=None, warn=True):
         gap, tol = _spread_gap(trace)
     trace["covariance_scale"] = c
     if warn and trace["kept"] and trace["at_upper_bound"]:
-        warnings.warn(f"the temperature calibrated on the held-out rows is at the upper bound "
-                      f"{TEMPERATURE_RANGE[1]:g} of its range: the predictive is near uniform; "
-                      "check that the held-out labels are the network's classes",
-                      HyperparameterWarning, stacklevel=3)
+        _warn_temperature_at_upper_bound()
     if warn and gap > tol:
         warnings.warn(
             f"on these {trace['n_rows']} held-out rows the calibrated predictive's NLL, "
