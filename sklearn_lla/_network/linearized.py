@@ -43,8 +43,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from .backends.base import JacobianBackend, Rows, device_budget
-from .backends.chain import ChainBackend
-from .backends.graph import GraphBackend
+from .backends.select import rebuild_backend, select_backend
 from .structured.chain import StructuredChain
 from .structured.jacobian import StructuredJacobian
 from .structured.trace import share_copy
@@ -59,8 +58,6 @@ OUTPUT_TRANSFORMS = ("identity", "log")
 
 #: Rows of ``example_input`` used to check the structured chain against the module.
 _CHECK_ROWS = 64
-
-_F64 = torch.float64
 
 
 def _as_input(x, device, dtype) -> Tensor:
@@ -264,9 +261,6 @@ class LinearizedNet:
         self.backend = backend.name
         self.backend_reason = backend.reason
 
-    def _generic(self, reason: str) -> None:
-        self._use(JacobianBackend(self, reason))
-
     @property
     def chain(self) -> StructuredChain | None:
         """The structured chain, when the structured backend computes the products."""
@@ -282,53 +276,10 @@ class LinearizedNet:
         """Whether the backend's products may run from several threads at once."""
         return bool(self.jacobian_backend.thread_safe)
 
-    def _graph_or_generic(self, x: Tensor | None, why_not_chain: str) -> None:
-        """The graph backend when it supports the network, else torch.func."""
-        if x is not None:
-            self._trace_input = x[:2]
-        graph, reason = GraphBackend.build(self, x)
-        if graph is not None:
-            self._use(graph)
-        else:
-            self._generic(f"{why_not_chain}; not a supported graph: {reason}")
-
     def _select_backend(self, x: Tensor | None) -> None:
-        """Decide, once, between the structured chain and torch.func."""
-        self._trace_input = None
-        if not self.structured:
-            self._generic("structured=False was requested")
-            return
-        if self.output_transform != "identity":
-            self._graph_or_generic(x, f"output_transform={self.output_transform!r} is not "
-                                   "supported by the structured chain")
-            return
-        chain, reason = StructuredChain.trace(self.module, x)
-        if chain is None:
-            self._graph_or_generic(x, f"not a chain: {reason}")
-            return
-        if x is not None:  # one row more than traced or checked before: another size
-            probe = torch.cat([x, x[:1]])
-        else:  # a fresh random batch, of another size than the traced one
-            g = torch.Generator().manual_seed(1)
-            probe = torch.randn(8, chain.n_features, generator=g, dtype=_F64)
-            probe = probe.to(dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            ref = self.forward(probe)
-            got = chain.forward(self._all_params, self.buffers, probe)
-        tol = 1e-5 * (1.0 + ref.abs().max().item())
-        if got.shape != ref.shape or not torch.allclose(got, ref, rtol=1e-4, atol=tol):
-            err = (got - ref).abs().max().item() if got.shape == ref.shape else float("nan")
-            self._generic(
-                "the structured chain did not reproduce the network's outputs on "
-                f"{'example_input' if x is not None else 'a random probe'} "
-                f"(shapes {tuple(got.shape)} / {tuple(ref.shape)}, max difference {err:.3g})"
-            )
-            return
-        self._trace_input = (x[:2] if x is not None else None)
-        self._use(ChainBackend(self, chain, chain.description + (
-            "" if x is not None else
-            " (checked on a random probe input; pass example_input to check on real inputs)"
-        )))
+        """Decide, once, between the structured chain, the graph backend and torch.func."""
+        backend, self._trace_input = select_backend(self, x)
+        self._use(backend)
 
     def __getstate__(self):
         # The tensors are pickled once, with the module; the per-thread modules and
@@ -347,22 +298,8 @@ class LinearizedNet:
         self.params = {n: self._all_params[n] for n in state["params"]}
         self.fixed_params = {n: p for n, p in self._all_params.items() if n not in self.params}
         self.buffers = {n: b.detach() for n, b in self.module.named_buffers()}
-        if self.backend == "structured":
-            chain, reason = StructuredChain.trace(self.module, self._trace_input)
-            if chain is None:
-                self._generic("the structured chain could not be rebuilt after "
-                              f"unpickling: {reason}")
-            else:
-                self._use(ChainBackend(self, chain, self.backend_reason))
-        elif self.backend == "graph":
-            graph, reason = GraphBackend.build(self, self._trace_input)
-            if graph is None:
-                self._generic("the graph backend could not be rebuilt after unpickling: "
-                              f"{reason}")
-            else:
-                self._use(graph)
-        else:
-            self._generic(self.backend_reason)
+        self._use(rebuild_backend(self, self.backend, self.backend_reason,
+                                  self._trace_input))
 
     # ------------------------------------------------------------------ basics
     def _module(self) -> nn.Module:

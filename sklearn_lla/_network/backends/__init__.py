@@ -5,5 +5,6 @@
 * :mod:`.chain`: chains of ``nn.Linear`` layers and elementwise maps;
 * :mod:`.graph`: networks whose linearised layers are ``nn.Linear``, ``nn.Conv1d`` /
   ``nn.Conv2d`` and eval-mode BatchNorm, any graph between them (residual additions,
-  pooling, ...).
+  pooling, ...);
+* :mod:`.select`: which of them a network gets, and the same choice after unpickling.
 """
