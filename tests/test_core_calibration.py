@@ -228,3 +228,24 @@ def test_closed_form_scale_equals_the_grid_to_its_resolution(C, shrink):
     # the two-evaluation form gives the same minimum from the NLL alone
     assert rescaled_nll(lambda v: _nll_at_scale(mean, cov, y, s2, v), C) == pytest.approx(
         best, rel=1e-9)
+
+
+def test_crossing_brackets_the_level_to_bisection_width():
+    """The batched search of the sharpening limit: the bracket it returns holds the
+    crossing of a decreasing function, is as narrow as 40 bisection steps, and every
+    call evaluates one batch of points."""
+    from sklearn_lla._core.calibration import _crossing
+
+    calls = []
+
+    def above(us):  # exp(-u) decreases, crossing its level at u = -1.2345
+        calls.append(len(us))
+        return np.exp(-np.asarray(us)) > math.exp(1.2345)
+
+    a, b = _crossing(above, -4.6, 0.0)
+    assert a < -1.2345 <= b
+    assert b - a <= 4.6 / 2**40 and b + 1.2345 < 1e-11
+    assert calls == [63] * 7
+    # the crossing at an end of the bracket
+    a, b = _crossing(lambda us: np.asarray(us) < -4.6 + 1e-14, -4.6, 0.0)
+    assert b - (-4.6) < 1e-11

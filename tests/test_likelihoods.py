@@ -386,3 +386,31 @@ def test_temperature_below_one_never_scales_a_logit_up(link):
     np.testing.assert_allclose(got, want, rtol=1e-12)
     if link != "bridge":
         assert float(got[0, 1]) == pytest.approx(float(torch.sigmoid(z[0, 0])), rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["categorical", "bernoulli"])
+@pytest.mark.parametrize("link", LINK_APPROXIMATIONS)
+def test_predict_at_temperatures_equals_one_temperature_at_a_time(kind, link):
+    # the batched evaluation the held-out calibration uses is the same computation as
+    # with_temperature(T).predict, for temperatures below 1 (per-point floor), at 1 and
+    # above, with a covariance scale, for every link (Monte Carlo with shared draws)
+    g = torch.Generator().manual_seed(3)
+    C = 4 if kind == "categorical" else 1
+    lik = (Categorical(C, link, n_samples=64) if kind == "categorical"
+           else Bernoulli(link, n_samples=64)).with_covariance_scale(0.3)
+    mean = _logits(B=9, C=C)
+    A = torch.randn(9, C, C, dtype=DT, generator=g)
+    cov = A @ A.transpose(-1, -2)
+    eps = torch.randn(64, 9, C, dtype=DT, generator=g)
+    y = torch.randint(0, max(C, 2), (9,), generator=g)
+    temps = [0.01, 0.4, 0.97, 1.0, 2.5, 100.0]
+    got = lik.predict_at_temperatures(mean, cov, temps, eps=eps)
+    lp = lik.log_predictive_at_temperatures(mean, cov, y, temps, eps=eps)
+    for i, T in enumerate(temps):
+        one = lik.with_temperature(T)
+        torch.testing.assert_close(got[i], one.predict(mean, cov, eps=eps), rtol=1e-13,
+                                   atol=1e-15)
+        torch.testing.assert_close(lp[i], one.log_predictive(mean, cov, y, eps=eps),
+                                   rtol=1e-13, atol=1e-15)
+    with pytest.raises(ValueError, match="temperatures"):
+        lik.predict_at_temperatures(mean, cov, [1.0, 0.0])

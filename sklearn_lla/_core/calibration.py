@@ -300,12 +300,16 @@ def calibrate_noise_refit(score, prior_variance, base_noise, *, warn=True):
     return float(s2[i]), trace
 
 
-def _bounded_log_search(f, lo, hi, what):
-    """Minimise ``f(log v)`` over ``[log lo, log hi]``; also says whether it ends at a bound."""
+def _bounded_log_search(f, lo, hi, what, f_many=None):
+    """Minimise ``f(log v)`` over ``[log lo, log hi]``; also says whether it ends at a bound.
+
+    ``f_many``, when given, evaluates ``f`` on an array of points at once (the grid).
+    """
     a, b = math.log(lo), math.log(hi)
     # a coarse grid first (the NLL can have a flat region), then Brent around the best
     grid = np.linspace(a, b, 41)
-    vals = np.array([f(u) for u in grid])
+    vals = np.asarray(f_many(grid) if f_many is not None else [f(u) for u in grid],
+                      dtype=float)
     vals = np.where(np.isfinite(vals), vals, np.inf)
     if not np.isfinite(vals).any():
         raise FloatingPointError(f"the held-out NLL is not finite for any {what}")
@@ -410,22 +414,36 @@ def _sharpest_temperature(likelihood, mean, cov, eps, lo, hi):
         raw = float(likelihood.with_temperature(1.0).predict(mean, torch.zeros_like(cov),
                                                             eps=eps).max(-1).values.mean())
 
-        def conf(u):
-            p = likelihood.with_temperature(math.exp(u)).predict(mean, cov, eps=eps)
-            return float(p.max(-1).values.mean())
+        def conf(us):
+            p = likelihood.predict_at_temperatures(mean, cov, np.exp(us), eps=eps)
+            return p.max(-1).values.mean(-1).tolist()
 
         a, b = math.log(lo), 0.0
-        if conf(b) >= raw:  # already at least as confident as the net: no sharpening
+        at_b, at_a = conf([b, a])
+        if at_b >= raw:  # already at least as confident as the net: no sharpening
             return 1.0, raw
-        if conf(a) <= raw:
+        if at_a <= raw:
             return lo, raw
-        for _ in range(40):
-            mid = 0.5 * (a + b)
-            if conf(mid) > raw:
-                a = mid
-            else:
-                b = mid
+        _, b = _crossing(lambda us: np.asarray(conf(us)) > raw, a, b)
         return math.exp(b), raw
+
+
+def _crossing(above, a, b, points=63, rounds=7):
+    """Bracket where a decreasing function crosses a level, in batched evaluations.
+
+    ``above(us)`` says, for an array of points, whether the function is above the level
+    there; it must be at ``a`` and not at ``b``. Each call evaluates ``points`` interior
+    points of the bracket and keeps the one interval where the answer flips: the
+    bracket shrinks ``points + 1``-fold per call (by default to ``2^-42`` of its width,
+    below 40 bisection steps). Returns ``(a, b)`` with ``above`` at ``a``, not at ``b``.
+    """
+    for _ in range(rounds):
+        us = np.linspace(a, b, points + 2)[1:-1]
+        up = np.asarray(above(us), dtype=bool)
+        j = int(np.argmin(up)) if not up.all() else len(us)
+        a = us[j - 1] if j > 0 else a
+        b = us[j] if j < len(us) else b
+    return a, b
 
 
 def _warn_temperature_at_upper_bound():
@@ -449,10 +467,15 @@ def _fit_temperature(likelihood, mean, cov, y, eps, rows):
         with torch.no_grad():
             return float(-lik.log_predictive(m, c, t, eps=e).mean())
 
+    def nll_many(us):
+        with torch.no_grad():
+            return (-likelihood.log_predictive_at_temperatures(
+                m, c, t, np.exp(us), eps=e).mean(-1)).tolist()
+
     # below every row's sharpening floor (each <= 1) nothing changes: the NLL is flat
     lowest = max(lo, float(sharpening_floor(c).min()))
     t_min, raw_conf = _sharpest_temperature(likelihood, m, c, e, lowest, hi)
-    return _bounded_log_search(nll, t_min, hi, "temperature"), t_min, raw_conf
+    return _bounded_log_search(nll, t_min, hi, "temperature", nll_many), t_min, raw_conf
 
 
 def calibrate_temperature(likelihood, mean, cov, y, *, eps=None, warn=True):

@@ -364,6 +364,68 @@ class _ClassLikelihood(Likelihood):
         mean, cov = self._tempered(mean, cov)
         return self._link(mean, cov, eps=eps, generator=generator)
 
+    def predict_at_temperatures(self, mean, cov, temperatures, *, eps=None):
+        """:meth:`predict` at several temperatures, in batched calls: shape (T, B, K).
+
+        Row ``t`` equals ``self.with_temperature(temperatures[t]).predict(mean, cov,
+        eps=eps)`` (the same operations, on ``T`` copies of the batch at once); the
+        held-out calibration evaluates its grids of temperatures this way.
+
+        Parameters
+        ----------
+        mean : Tensor of shape (B, C)
+        cov : Tensor of shape (B, C, C)
+        temperatures : sequence of float
+            Each > 0.
+        eps : Tensor of shape (S, B, C), optional
+            Fixed draws for ``link_approx="mc"``, shared by every temperature.
+
+        Returns
+        -------
+        Tensor of shape (T, B, K)
+        """
+        temps = [float(t) for t in temperatures]
+        if not all(np.isfinite(t) and t > 0 for t in temps):
+            raise ValueError(f"temperatures must be finite and > 0, got {temps!r}")
+        c = getattr(self, "covariance_scale", 1.0)
+        if c != 1.0:
+            cov = cov * c
+        B = mean.shape[0]
+        floor = sharpening_floor(cov)
+        # copies of the batch per call: bounded for Monte Carlo draws
+        per = len(temps) if self.link_approx != "mc" else max(1, 2**22 // max(
+            1, self.n_samples * mean.numel()))
+        out = []
+        for i in range(0, len(temps), per):
+            T = torch.as_tensor(temps[i:i + per], dtype=mean.dtype, device=mean.device)
+            T = torch.where(T.unsqueeze(-1) < 1.0,  # the per-point floor, as _tempered
+                            torch.maximum(T.unsqueeze(-1), floor), T.unsqueeze(-1))
+            m = (mean / T.unsqueeze(-1)).reshape(-1, *mean.shape[1:])
+            v = (cov / (T * T).unsqueeze(-1).unsqueeze(-1)).reshape(-1, *cov.shape[1:])
+            e = None if eps is None else eps.repeat(1, len(T), 1)
+            out.append(self._link(m, v, eps=e).reshape(len(T), B, -1))
+        return torch.cat(out)
+
+    def log_predictive_at_temperatures(self, mean, cov, y, temperatures, *, eps=None):
+        """:meth:`log_predictive` at several temperatures: shape (T, B).
+
+        Parameters
+        ----------
+        mean : Tensor of shape (B, C)
+        cov : Tensor of shape (B, C, C)
+        y : Tensor of shape (B,)
+            Labels (ints).
+        temperatures : sequence of float
+        eps : Tensor of shape (S, B, C), optional
+
+        Returns
+        -------
+        Tensor of shape (T, B)
+        """
+        p = self.predict_at_temperatures(mean, cov, temperatures, eps=eps)
+        idx = y.long().reshape(1, -1, 1).expand(p.shape[0], -1, 1)
+        return torch.log(p.gather(-1, idx).squeeze(-1).clamp_min(torch.finfo(p.dtype).tiny))
+
     def log_predictive(self, mean, cov, y, *, eps=None, generator=None):
         """Per-point log predictive probability of the labels ``y`` (ints)."""
         p = self.predict(mean, cov, eps=eps, generator=generator)
