@@ -115,8 +115,9 @@ def _diag(cov: torch.Tensor) -> torch.Tensor:
     return torch.diagonal(cov, dim1=-2, dim2=-1).clamp_min(0.0)
 
 
-def _probit_softmax(mean, cov):
-    return torch.softmax(mean / torch.sqrt(1.0 + math.pi / 8.0 * _diag(cov)), dim=-1)
+def _probit_softmax(mean, var):
+    """Probit approximation of ``E softmax(f)`` from the latent variances ``var``."""
+    return torch.softmax(mean / torch.sqrt(1.0 + math.pi / 8.0 * var), dim=-1)
 
 
 def sharpening_floor(cov):
@@ -132,13 +133,13 @@ def sharpening_floor(cov):
     return torch.sqrt((1.0 - math.pi / 8.0 * v).clamp_min(0.0))
 
 
-def _bridge_softmax(mean, cov):
+def _bridge_softmax(mean, var):
     # Laplace bridge (Hobbhahn et al., 2022): N(mean, diag var) -> Dirichlet, return
     # its mean. Logits are centred first (softmax is shift invariant, the bridge is
     # not: its derivation assumes sum-to-zero logits).
     C = mean.shape[-1]
     mu = mean - mean.mean(dim=-1, keepdim=True)
-    var = _diag(cov).clamp_min(torch.finfo(mean.dtype).eps)
+    var = var.clamp_min(torch.finfo(mean.dtype).eps)
     log_term = mu + torch.logsumexp(-mu, dim=-1, keepdim=True)
     alpha = (1.0 - 2.0 / C + torch.exp(log_term) / C**2) / var
     return alpha / alpha.sum(dim=-1, keepdim=True)
@@ -392,18 +393,25 @@ class _ClassLikelihood(Likelihood):
             cov = cov * c
         B = mean.shape[0]
         floor = sharpening_floor(cov)
+        mc = self.link_approx == "mc"
+        if not mc:  # the other links read the latent variances only
+            cov = _diag(cov)
         # copies of the batch per call: bounded for Monte Carlo draws
-        per = len(temps) if self.link_approx != "mc" else max(1, 2**22 // max(
-            1, self.n_samples * mean.numel()))
+        per = max(1, 2**22 // max(1, self.n_samples * mean.numel())) if mc else len(temps)
         out = []
         for i in range(0, len(temps), per):
             T = torch.as_tensor(temps[i:i + per], dtype=mean.dtype, device=mean.device)
             T = torch.where(T.unsqueeze(-1) < 1.0,  # the per-point floor, as _tempered
                             torch.maximum(T.unsqueeze(-1), floor), T.unsqueeze(-1))
             m = (mean / T.unsqueeze(-1)).reshape(-1, *mean.shape[1:])
-            v = (cov / (T * T).unsqueeze(-1).unsqueeze(-1)).reshape(-1, *cov.shape[1:])
-            e = None if eps is None else eps.repeat(1, len(T), 1)
-            out.append(self._link(m, v, eps=e).reshape(len(T), B, -1))
+            T2 = (T * T).reshape(*T.shape, *[1] * (cov.ndim - 1))
+            v = (cov / T2).reshape(-1, *cov.shape[1:])
+            if mc:
+                e = None if eps is None else eps.repeat(1, len(T), 1)
+                p = self._link(m, v, eps=e)
+            else:
+                p = self._link_var(m, v)
+            out.append(p.reshape(len(T), B, -1))
         return torch.cat(out)
 
     def log_predictive_at_temperatures(self, mean, cov, y, temperatures, *, eps=None):
@@ -483,12 +491,16 @@ class Categorical(_ClassLikelihood):
 
     def _link(self, mean, cov, *, eps=None, generator=None):
         """``E softmax(f)`` of shape (B, C) by ``link_approx``."""
-        if self.link_approx == "probit":
-            return _probit_softmax(mean, cov)
-        if self.link_approx == "bridge":
-            return _bridge_softmax(mean, cov)
+        if self.link_approx != "mc":
+            return self._link_var(mean, _diag(cov))
         e = self._eps((self.n_samples, *mean.shape), eps, generator, mean)
         return torch.softmax(latent_draws(mean, cov, e), dim=-1).mean(0)
+
+    def _link_var(self, mean, var):
+        """The probit or bridge link from the latent variances ``var`` (B, C)."""
+        if self.link_approx == "probit":
+            return _probit_softmax(mean, var)
+        return _bridge_softmax(mean, var)
 
 
 #: Gauss-Hermite nodes and weights (probabilists' form) for 1-D expectations.
@@ -538,15 +550,20 @@ class Bernoulli(_ClassLikelihood):
 
     def _link(self, mean, cov, *, eps=None, generator=None):
         """Probabilities ``[p(y=0), p(y=1)]`` of shape (B, 2) by ``link_approx``."""
+        if self.link_approx != "mc":
+            return self._link_var(mean, cov)
         m = mean.reshape(-1)
         v = cov.reshape(-1).clamp_min(0)
+        e = self._eps((self.n_samples, m.shape[0], 1), eps, generator, m)
+        p1 = torch.sigmoid(m + v.sqrt() * e[..., 0]).mean(0)
+        return torch.stack([1.0 - p1, p1], dim=-1)
+
+    def _link_var(self, mean, var):
+        """The probit or bridge link from the latent variance (any shape of B values)."""
+        m = mean.reshape(-1)
+        v = var.reshape(-1).clamp_min(0)
         if self.link_approx == "probit":
             p1 = torch.sigmoid(m / torch.sqrt(1.0 + math.pi / 8.0 * v))
-        elif self.link_approx == "mc":
-            e = self._eps((self.n_samples, m.shape[0], 1), eps, generator, m)
-            p1 = torch.sigmoid(m + v.sqrt() * e[..., 0]).mean(0)
-        else:
-            mu2 = torch.stack([-0.5 * m, 0.5 * m], dim=-1)
-            var2 = torch.diag_embed(torch.stack([0.25 * v, 0.25 * v], dim=-1))
-            return _bridge_softmax(mu2, var2)
-        return torch.stack([1.0 - p1, p1], dim=-1)
+            return torch.stack([1.0 - p1, p1], dim=-1)
+        mu2 = torch.stack([-0.5 * m, 0.5 * m], dim=-1)
+        return _bridge_softmax(mu2, torch.stack([0.25 * v, 0.25 * v], dim=-1))
