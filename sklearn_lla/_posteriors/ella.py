@@ -93,6 +93,7 @@ def _krylov_top_eigh(A, k, block=KRYLOV_BLOCK, tol=KRYLOV_TOL):
     Qt[:b] = torch.linalg.qr(torch.randn(M, b, generator=g, dtype=_F64,
                                          device=A.device))[0].T
     j, scale, last = 0, None, None  # last: (n, largest residual) at the last check
+    due = min(4 * k, max_dim - b)  # the size at which the next check is due
     while j + b <= max_dim:
         n = j + b
         Wt = Qt[j:n] @ A  # (A symmetric)
@@ -102,11 +103,13 @@ def _krylov_top_eigh(A, k, block=KRYLOV_BLOCK, tol=KRYLOV_TOL):
         Wt -= C2 @ Qt[:n]
         H[j:n, :n] = C + C2
         Qn, R = torch.linalg.qr(Wt.T)
-        # checks from 4 k vectors on, each after the space grew by a quarter (their
-        # eigh costs O(n^3)); given up when the residual's decay so far would not
-        # reach the tolerance within twice max_dim (a flat spectrum: LAPACK is cheaper)
-        if n >= min(4 * k, max_dim - b) and (last is None or n >= 1.25 * last[0]
-                                              or n + b > max_dim):
+        # checks from 4 k vectors on (their eigh costs O(n^3)): the second after the
+        # space grew by a quarter, each later one at the size where the residual's
+        # decay between the last two checks reaches the tolerance (the decay
+        # accelerates, so that is an upper bound; at most half as many vectors on);
+        # given up when that decay would not reach the tolerance within twice max_dim
+        # (a flat spectrum: LAPACK is cheaper)
+        if n >= due or n + b > max_dim:
             Hs = H[:n, :n]
             th, S = torch.linalg.eigh(0.5 * (Hs + Hs.T))
             th, S = th.flip(0)[:k], S.flip(1)[:, :k]
@@ -114,11 +117,16 @@ def _krylov_top_eigh(A, k, block=KRYLOV_BLOCK, tol=KRYLOV_TOL):
             goal = tol * float(th[0])
             if float(th[0]) > 0 and worst <= goal:
                 return th, (S.T @ Qt[:n]).T
+            due = 1.25 * n
             if last is not None and goal > 0:
                 rate = (worst / last[1]) ** (1.0 / (n - last[0])) if last[1] > 0 else 1.0
                 # (the decay accelerates: only a projection far beyond max_dim aborts)
-                if not rate < 1.0 or n + np.log(goal / worst) / np.log(rate) > 2 * max_dim:
+                if not rate < 1.0:
                     return None
+                reach = n + np.log(goal / worst) / np.log(rate)
+                if reach > 2 * max_dim:
+                    return None
+                due = min(max(reach, n + 1), 1.5 * n)
             last = (n, worst)
         scale = float(torch.diagonal(H[:n, :n]).abs().max()) if scale is None else scale
         if not float(torch.diagonal(R).abs().min()) > 1e-10 * scale:

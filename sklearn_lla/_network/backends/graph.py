@@ -70,6 +70,10 @@ DIAG_BLOCK_ELEMENTS = 2**18
 CHECK_ELEMENTS = 2**22
 
 
+#: Row width from which :func:`_factored_self_gram` pairs a factor by ``syrk``.
+SYRK_WIDTH = 256
+
+
 class GraphRows(Rows):
     """Jacobian rows of a :class:`GraphBackend` network: factored ``nn.Linear`` blocks
     (a :class:`StructuredJacobian`) and dense blocks for the other layers.
@@ -121,8 +125,12 @@ class GraphRows(Rows):
             return a @ (_to_f64(other.R) if differentiable else other.R.to(_F64)).T
         G = None
         if self.factors is not None:
-            G = (self.factors.cross_gram(other.factors) if differentiable
-                 else self.factors.gram(other.factors))
+            if differentiable:
+                G = self.factors.cross_gram(other.factors)
+            elif other is self:
+                G = _factored_self_gram(self.factors)
+            else:
+                G = self.factors.gram(other.factors)
         if self.D is not None:
             if differentiable:
                 a = _to_f64(self.D)
@@ -282,6 +290,45 @@ class GraphRows(Rows):
         if self.D is not None:
             blocks.update(self._columns(self.D, self.dense_names))
         return torch.cat([blocks[n] for n in self._lin.names], dim=1)
+
+
+def _sym64(a: Tensor) -> Tensor:
+    """``a a^T`` in float64: by :func:`gram64` (``syrk``) for rows of at least
+    :data:`SYRK_WIDTH` entries, else one general product (for narrow rows the product
+    costs less than ``syrk``'s mirroring of the triangle)."""
+    if a.shape[1] >= SYRK_WIDTH:
+        return gram64(a)
+    a64 = a.to(_F64)
+    return a64 @ a64.T
+
+
+def _factored_self_gram(sj: StructuredJacobian) -> Tensor:
+    """``J J^T`` of factored rows, float64, each layer's two Grams by :func:`gram64`
+    (BLAS ``syrk`` on the CPU: half the multiplications of the general products of
+    ``StructuredJacobian.gram``, the same sums).
+
+    Parameters
+    ----------
+    sj : StructuredJacobian
+
+    Returns
+    -------
+    Tensor of shape (n_rows, n_rows), dtype float64
+    """
+    B, k = sj.n_points, sj.rows_per_point
+    G = None
+    for layer in sj.layers:
+        DD = _sym64(layer.delta)
+        if layer.has_weight:
+            A = _sym64(layer.act)
+            if layer.has_bias:
+                A += 1.0
+            if k == 1:
+                DD.mul_(A)
+            else:
+                DD = DD.view(B, k, B, k).mul_(A[:, None, :, None]).view(B * k, B * k)
+        G = DD if G is None else G.add_(DD)
+    return G
 
 
 class _Recording:
