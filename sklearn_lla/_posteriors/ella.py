@@ -103,12 +103,11 @@ def _krylov_top_eigh(A, k, block=KRYLOV_BLOCK, tol=KRYLOV_TOL):
         Wt -= C2 @ Qt[:n]
         H[j:n, :n] = C + C2
         Qn, R = torch.linalg.qr(Wt.T)
-        # checks from 4 k vectors on (their eigh costs O(n^3)): the second after the
-        # space grew by a quarter, each later one at the size where the residual's
-        # decay between the last two checks reaches the tolerance (the decay
-        # accelerates, so that is an upper bound; at most half as many vectors on);
-        # given up when that decay would not reach the tolerance within twice max_dim
-        # (a flat spectrum: LAPACK is cheaper)
+        # checks from 4 k vectors on (their eigh costs O(n^3)), each after the space
+        # grew by a quarter, or sooner: at the size where the residual's decay
+        # between the last two checks reaches the tolerance (the decay accelerates,
+        # so that size is an upper bound); given up when that decay would not reach
+        # the tolerance within twice max_dim (a flat spectrum: LAPACK is cheaper)
         if n >= due or n + b > max_dim:
             Hs = H[:n, :n]
             th, S = torch.linalg.eigh(0.5 * (Hs + Hs.T))
@@ -126,7 +125,7 @@ def _krylov_top_eigh(A, k, block=KRYLOV_BLOCK, tol=KRYLOV_TOL):
                 reach = n + np.log(goal / worst) / np.log(rate)
                 if reach > 2 * max_dim:
                     return None
-                due = min(max(reach, n + 1), 1.5 * n)
+                due = min(max(reach, n + 1), 1.25 * n)
             last = (n, worst)
         scale = float(torch.diagonal(H[:n, :n]).abs().max()) if scale is None else scale
         if not float(torch.diagonal(R).abs().min()) > 1e-10 * scale:
@@ -149,8 +148,10 @@ def _top_eigh(Kt, k):
     """
     M = Kt.shape[0]
     if 20 * k <= M and M >= 256:
-        A = (0.5 * (Kt + Kt.T)).double()
-        if bool(torch.isfinite(A).all()):
+        A = Kt.double()
+        A = (A + A.T).mul_(0.5)
+        # (a finite sum: every entry finite, unless the sum overflows; then LAPACK)
+        if bool(torch.isfinite(A.sum())):
             out = _krylov_top_eigh(A, k)
             if out is not None:
                 return out

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.func import jacrev, vjp, vmap
@@ -120,29 +121,43 @@ def gram64(a: Tensor, b: Tensor | None = None) -> Tensor:
     n, p = a.shape
     rows = max(n, 1 if b is None else b.shape[0])
     width = max(1, GRAM_BLOCK_ELEMENTS // max(1, rows))
+    if b is None and not a.requires_grad and a.device.type == "cpu" and n >= 64:
+        return _syrk64(a, width)
     if a.requires_grad or (b is not None and b.requires_grad) or width >= p:
         return _gram64_block(a, b)
     out = None
     for s in range(0, p, width):
-        blk = _gram64_block(a[:, s:s + width], None if b is None else b[:, s:s + width],
+        out = _gram64_block(a[:, s:s + width], None if b is None else b[:, s:s + width],
                             out)
-        out = blk
     return out
 
 
 def _gram64_block(a: Tensor, b: Tensor | None, acc: Tensor | None = None) -> Tensor:
-    """``a b^T`` in float64, added to ``acc`` in place when given."""
+    """``a b^T`` in float64 (one general product), added to ``acc`` in place when
+    given."""
     a64 = a.to(_F64)
-    if b is not None or a64.device.type != "cpu" or a64.requires_grad or a64.shape[0] < 64:
-        prod = a64 @ (a64 if b is None else b.to(_F64)).T
-        return prod if acc is None else acc.add_(prod)
+    prod = a64 @ (a64 if b is None else b.to(_F64)).T
+    return prod if acc is None else acc.add_(prod)
+
+
+def _syrk64(a: Tensor, width: int) -> Tensor:
+    """``a a^T`` in float64 on the CPU by BLAS ``dsyrk``, ``width`` columns of ``a``
+    converted at a time and accumulated into one triangle (``beta = 1``), which is
+    mirrored once at the end."""
     from scipy.linalg.blas import dsyrk
 
-    arr = a64.detach().contiguous().numpy()
-    # arr.T is Fortran-ordered: arr arr^T, upper triangle; mirrored once at the end
-    up = torch.from_numpy(dsyrk(1.0, arr.T, trans=1)).triu_()
-    out = up.add_(up.triu(1).T)
-    return out.contiguous() if acc is None else acc.add_(out)
+    n, p = a.shape
+    a = a.detach()
+    # Fortran-ordered upper triangle; the strict lower triangle stays zero
+    c = np.zeros((n, n), dtype=np.float64, order="F")
+    for s in range(0, p, width):
+        arr = a[:, s:s + width].to(_F64).contiguous().numpy()
+        # arr.T is Fortran-ordered: arr arr^T added to c
+        c = dsyrk(1.0, arr.T, beta=1.0, c=c, trans=1, overwrite_c=1)
+    low = torch.from_numpy(c).T  # C-ordered lower triangle (the transpose's memory)
+    out = low + low.T
+    out.diagonal().mul_(0.5)  # (the diagonal counted twice: exact in float64)
+    return out
 
 
 class Rows(abc.ABC):

@@ -135,9 +135,10 @@ class GraphRows(Rows):
             if differentiable:
                 a = _to_f64(self.D)
                 DD = a @ (a if other is self else _to_f64(other.D)).T
+                G = DD if G is None else G + DD
             else:
                 DD = gram64(self.D, None if other is self else other.D)
-            G = DD if G is None else G + DD
+                G = DD if G is None else G.add_(DD)  # (a fresh float64 product)
         return G
 
     def gram(self, other=None) -> Tensor:
