@@ -80,9 +80,10 @@ def _krylov_top_eigh(A, k, block=KRYLOV_BLOCK, tol=KRYLOV_TOL):
     when every one of the top ``k`` is below ``tol * theta_1``. The start block is a
     fixed Gaussian draw (the estimator's random stream is not touched), so the result
     is deterministic. Measured on the digits CNN's ``M = 2000`` Gram (``k = 54``):
-    about 400 Krylov vectors, eigenvalues within 4e-16 ``lam_1`` and the span within
-    1e-12 of ``syevr``'s, 0.33-0.40 s against 0.67-0.72 s (one thread); on a flat
-    spectrum it gives up after 0.06-0.17 s.
+    408 Krylov vectors (checks at 216, 288, 360 and 408; 456 vectors and a check at
+    456 when every check waited for a quarter more), eigenvalues within 4e-16
+    ``lam_1`` and the span within 1e-12 of ``syevr``'s, 0.33-0.40 s against
+    0.67-0.72 s (one thread); on a flat spectrum it gives up after 0.06-0.17 s.
     """
     M = A.shape[0]
     max_dim = M // 2
