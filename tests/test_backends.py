@@ -380,7 +380,7 @@ def test_factored_self_gram_equals_dense_rows_gram(k, dtype):
     """The graph rows' self-Gram of factored layers (``syrk`` for the wide factors,
     one product for the narrow ones) is the float64 Gram of the explicit rows, to
     round-off, for one and several rows per point."""
-    from sklearn_lla._network.backends.graph import SYRK_WIDTH, _factored_self_gram
+    from sklearn_lla._network.backends.base import SYRK_WIDTH, _factored_self_gram
     from sklearn_lla._network.structured.jacobian import LayerFactor, StructuredJacobian
 
     g = torch.Generator().manual_seed(0)

@@ -52,6 +52,9 @@ CUDA_SHARE = 1 / 16
 #: wide rows is accumulated over column blocks, never through a float64 copy of all.
 GRAM_BLOCK_ELEMENTS = 2**24
 
+#: Row width from which :func:`_factored_self_gram` pairs a factor by ``syrk``.
+SYRK_WIDTH = 256
+
 
 def flat_directions(V: dict, names, numels, dtype, device) -> Tensor:
     """Directions ``{name: (K, *shape)}`` as ``(K, sum(numels))`` columns in ``names``
@@ -158,6 +161,47 @@ def _syrk64(a: Tensor, width: int) -> Tensor:
     out = low + low.T
     out.diagonal().mul_(0.5)  # (the diagonal counted twice: exact in float64)
     return out
+
+
+def _sym64(a: Tensor) -> Tensor:
+    """``a a^T`` in float64: by :func:`gram64` (``syrk``) for rows of at least
+    :data:`SYRK_WIDTH` entries, else one general product (for narrow rows the product
+    costs less than ``syrk``'s mirroring of the triangle)."""
+    if a.shape[1] >= SYRK_WIDTH:
+        return gram64(a)
+    a64 = a.to(_F64)
+    return a64 @ a64.T
+
+
+def _factored_self_gram(sj) -> Tensor:
+    """``J J^T`` of factored rows (the graph backend's self-Gram), float64: each
+    layer's two Grams by :func:`_sym64` (BLAS ``syrk`` for wide factors on the CPU:
+    half the multiplications of the general products of ``StructuredJacobian.gram``,
+    the same sums).
+
+    Parameters
+    ----------
+    sj : StructuredJacobian
+        Factored rows (:mod:`sklearn_lla._network.structured.jacobian`).
+
+    Returns
+    -------
+    Tensor of shape (n_rows, n_rows), dtype float64
+    """
+    B, k = sj.n_points, sj.rows_per_point
+    G = None
+    for layer in sj.layers:
+        DD = _sym64(layer.delta)
+        if layer.has_weight:
+            A = _sym64(layer.act)
+            if layer.has_bias:
+                A += 1.0
+            if k == 1:
+                DD.mul_(A)
+            else:
+                DD = DD.view(B, k, B, k).mul_(A[:, None, :, None]).view(B * k, B * k)
+        G = DD if G is None else G.add_(DD)
+    return G
 
 
 class Rows(abc.ABC):

@@ -42,7 +42,15 @@ from torch import Tensor, nn
 
 from ..structured.jacobian import LayerFactor, StructuredJacobian, _to_f64
 from ..structured.trace import share_copy
-from .base import DenseRows, FactoredBackend, Rows, device_budget, flat_directions, gram64
+from .base import (
+    DenseRows,
+    FactoredBackend,
+    Rows,
+    _factored_self_gram,
+    device_budget,
+    flat_directions,
+    gram64,
+)
 from .graph_layers import SUPPORTED, _Layer, _module_issue, conv_patches, layer_blocks
 
 __all__ = ["GraphBackend", "GraphRows", "SUPPORTED", "conv_patches", "layer_blocks"]
@@ -68,10 +76,6 @@ DIAG_BLOCK_ELEMENTS = 2**18
 #: Largest number of Jacobian entries the check at construction compares (all outputs
 #: of two example rows; beyond it, one selected output per row).
 CHECK_ELEMENTS = 2**22
-
-
-#: Row width from which :func:`_factored_self_gram` pairs a factor by ``syrk``.
-SYRK_WIDTH = 256
 
 
 class GraphRows(Rows):
@@ -291,45 +295,6 @@ class GraphRows(Rows):
         if self.D is not None:
             blocks.update(self._columns(self.D, self.dense_names))
         return torch.cat([blocks[n] for n in self._lin.names], dim=1)
-
-
-def _sym64(a: Tensor) -> Tensor:
-    """``a a^T`` in float64: by :func:`gram64` (``syrk``) for rows of at least
-    :data:`SYRK_WIDTH` entries, else one general product (for narrow rows the product
-    costs less than ``syrk``'s mirroring of the triangle)."""
-    if a.shape[1] >= SYRK_WIDTH:
-        return gram64(a)
-    a64 = a.to(_F64)
-    return a64 @ a64.T
-
-
-def _factored_self_gram(sj: StructuredJacobian) -> Tensor:
-    """``J J^T`` of factored rows, float64, each layer's two Grams by :func:`gram64`
-    (BLAS ``syrk`` on the CPU: half the multiplications of the general products of
-    ``StructuredJacobian.gram``, the same sums).
-
-    Parameters
-    ----------
-    sj : StructuredJacobian
-
-    Returns
-    -------
-    Tensor of shape (n_rows, n_rows), dtype float64
-    """
-    B, k = sj.n_points, sj.rows_per_point
-    G = None
-    for layer in sj.layers:
-        DD = _sym64(layer.delta)
-        if layer.has_weight:
-            A = _sym64(layer.act)
-            if layer.has_bias:
-                A += 1.0
-            if k == 1:
-                DD.mul_(A)
-            else:
-                DD = DD.view(B, k, B, k).mul_(A[:, None, :, None]).view(B * k, B * k)
-        G = DD if G is None else G.add_(DD)
-    return G
 
 
 class _Recording:
