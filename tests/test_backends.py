@@ -372,3 +372,33 @@ def test_rows_weighted_and_mixed_squares_match_dense(structured):
     M = torch.randn(B, 2, C, generator=g, dtype=F64)
     G = M @ J
     _close(mixed_sq_colsum(lin, x, M), (G * G).sum((0, 1)), 1e-12)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_factored_self_gram_equals_dense_rows_gram(k, dtype):
+    """The graph rows' self-Gram of factored layers (``syrk`` for the wide factors,
+    one product for the narrow ones) is the float64 Gram of the explicit rows, to
+    round-off, for one and several rows per point."""
+    from sklearn_lla._network.backends.base import SYRK_WIDTH, _factored_self_gram
+    from sklearn_lla._network.structured.jacobian import LayerFactor, StructuredJacobian
+
+    g = torch.Generator().manual_seed(0)
+    B = 70  # the CPU syrk path (at least 64 rows)
+    widths = [(SYRK_WIDTH + 9, 12, True), (12, 5, True), (5, 4, False)]  # (in, out, bias)
+    layers, names = [], []
+    for i, (d_in, d_out, bias) in enumerate(widths):
+        act = torch.randn(B, d_in, generator=g, dtype=F64).to(dtype)
+        delta = torch.randn(B * k, d_out, generator=g, dtype=F64).to(dtype)
+        layers.append(LayerFactor(delta, act, f"w{i}", f"b{i}" if bias else None))
+        names += [f"w{i}"] + ([f"b{i}"] if bias else [])
+    sj = StructuredJacobian(layers, k, names, torch.zeros(B, k, dtype=dtype))
+    G = _factored_self_gram(sj)
+    assert G.dtype == F64
+    # the reference rows from the factors cast to float64 (exact): no float32 rounding
+    sj64 = StructuredJacobian([LayerFactor(f.delta.double(), f.act.double(), f.weight_name,
+                                           f.bias_name) for f in layers], k, names,
+                              torch.zeros(B, k, dtype=F64))
+    R = sj64.dense()
+    _close(G, R @ R.T, 1e-13)
+    _close(G, sj.gram(), 1e-14)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.func import jacrev, vjp, vmap
@@ -50,6 +51,9 @@ CUDA_SHARE = 1 / 16
 #: Elements of a float64 column block :func:`gram64` converts at once: the product of
 #: wide rows is accumulated over column blocks, never through a float64 copy of all.
 GRAM_BLOCK_ELEMENTS = 2**24
+
+#: Row width from which :func:`_factored_self_gram` pairs a factor by ``syrk``.
+SYRK_WIDTH = 256
 
 
 def flat_directions(V: dict, names, numels, dtype, device) -> Tensor:
@@ -120,29 +124,84 @@ def gram64(a: Tensor, b: Tensor | None = None) -> Tensor:
     n, p = a.shape
     rows = max(n, 1 if b is None else b.shape[0])
     width = max(1, GRAM_BLOCK_ELEMENTS // max(1, rows))
+    if b is None and not a.requires_grad and a.device.type == "cpu" and n >= 64:
+        return _syrk64(a, width)
     if a.requires_grad or (b is not None and b.requires_grad) or width >= p:
         return _gram64_block(a, b)
     out = None
     for s in range(0, p, width):
-        blk = _gram64_block(a[:, s:s + width], None if b is None else b[:, s:s + width],
+        out = _gram64_block(a[:, s:s + width], None if b is None else b[:, s:s + width],
                             out)
-        out = blk
     return out
 
 
 def _gram64_block(a: Tensor, b: Tensor | None, acc: Tensor | None = None) -> Tensor:
-    """``a b^T`` in float64, added to ``acc`` in place when given."""
+    """``a b^T`` in float64 (one general product), added to ``acc`` in place when
+    given."""
     a64 = a.to(_F64)
-    if b is not None or a64.device.type != "cpu" or a64.requires_grad or a64.shape[0] < 64:
-        prod = a64 @ (a64 if b is None else b.to(_F64)).T
-        return prod if acc is None else acc.add_(prod)
+    prod = a64 @ (a64 if b is None else b.to(_F64)).T
+    return prod if acc is None else acc.add_(prod)
+
+
+def _syrk64(a: Tensor, width: int) -> Tensor:
+    """``a a^T`` in float64 on the CPU by BLAS ``dsyrk``, ``width`` columns of ``a``
+    converted at a time and accumulated into one triangle (``beta = 1``), which is
+    mirrored once at the end."""
     from scipy.linalg.blas import dsyrk
 
-    arr = a64.detach().contiguous().numpy()
-    # arr.T is Fortran-ordered: arr arr^T, upper triangle; mirrored once at the end
-    up = torch.from_numpy(dsyrk(1.0, arr.T, trans=1)).triu_()
-    out = up.add_(up.triu(1).T)
-    return out.contiguous() if acc is None else acc.add_(out)
+    n, p = a.shape
+    a = a.detach()
+    # Fortran-ordered upper triangle; the strict lower triangle stays zero
+    c = np.zeros((n, n), dtype=np.float64, order="F")
+    for s in range(0, p, width):
+        arr = a[:, s:s + width].to(_F64).contiguous().numpy()
+        # arr.T is Fortran-ordered: arr arr^T added to c
+        c = dsyrk(1.0, arr.T, beta=1.0, c=c, trans=1, overwrite_c=1)
+    low = torch.from_numpy(c).T  # C-ordered lower triangle (the transpose's memory)
+    out = low + low.T
+    out.diagonal().mul_(0.5)  # (the diagonal counted twice: exact in float64)
+    return out
+
+
+def _sym64(a: Tensor) -> Tensor:
+    """``a a^T`` in float64: by :func:`gram64` (``syrk``) for rows of at least
+    :data:`SYRK_WIDTH` entries, else one general product (for narrow rows the product
+    costs less than ``syrk``'s mirroring of the triangle)."""
+    if a.shape[1] >= SYRK_WIDTH:
+        return gram64(a)
+    a64 = a.to(_F64)
+    return a64 @ a64.T
+
+
+def _factored_self_gram(sj) -> Tensor:
+    """``J J^T`` of factored rows (the graph backend's self-Gram), float64: each
+    layer's two Grams by :func:`_sym64` (BLAS ``syrk`` for wide factors on the CPU:
+    half the multiplications of the general products of ``StructuredJacobian.gram``,
+    the same sums).
+
+    Parameters
+    ----------
+    sj : StructuredJacobian
+        Factored rows (:mod:`sklearn_lla._network.structured.jacobian`).
+
+    Returns
+    -------
+    Tensor of shape (n_rows, n_rows), dtype float64
+    """
+    B, k = sj.n_points, sj.rows_per_point
+    G = None
+    for layer in sj.layers:
+        DD = _sym64(layer.delta)
+        if layer.has_weight:
+            A = _sym64(layer.act)
+            if layer.has_bias:
+                A += 1.0
+            if k == 1:
+                DD.mul_(A)
+            else:
+                DD = DD.view(B, k, B, k).mul_(A[:, None, :, None]).view(B * k, B * k)
+        G = DD if G is None else G.add_(DD)
+    return G
 
 
 class Rows(abc.ABC):

@@ -42,7 +42,15 @@ from torch import Tensor, nn
 
 from ..structured.jacobian import LayerFactor, StructuredJacobian, _to_f64
 from ..structured.trace import share_copy
-from .base import DenseRows, FactoredBackend, Rows, device_budget, flat_directions, gram64
+from .base import (
+    DenseRows,
+    FactoredBackend,
+    Rows,
+    _factored_self_gram,
+    device_budget,
+    flat_directions,
+    gram64,
+)
 from .graph_layers import SUPPORTED, _Layer, _module_issue, conv_patches, layer_blocks
 
 __all__ = ["GraphBackend", "GraphRows", "SUPPORTED", "conv_patches", "layer_blocks"]
@@ -121,15 +129,20 @@ class GraphRows(Rows):
             return a @ (_to_f64(other.R) if differentiable else other.R.to(_F64)).T
         G = None
         if self.factors is not None:
-            G = (self.factors.cross_gram(other.factors) if differentiable
-                 else self.factors.gram(other.factors))
+            if differentiable:
+                G = self.factors.cross_gram(other.factors)
+            elif other is self:
+                G = _factored_self_gram(self.factors)
+            else:
+                G = self.factors.gram(other.factors)
         if self.D is not None:
             if differentiable:
                 a = _to_f64(self.D)
                 DD = a @ (a if other is self else _to_f64(other.D)).T
+                G = DD if G is None else G + DD
             else:
                 DD = gram64(self.D, None if other is self else other.D)
-            G = DD if G is None else G + DD
+                G = DD if G is None else G.add_(DD)  # (a fresh float64 product)
         return G
 
     def gram(self, other=None) -> Tensor:
