@@ -272,3 +272,68 @@ def test_training_batches_are_the_streams_minibatches(monkeypatch, budget):
     FMGPClassifier(_Counted(3, 3), n_inducing=9, batch_size=50, random_state=0,
                    device="cpu").fit(X, y)
     assert seen["xy"] is (budget is None)
+
+
+def test_spd_solve_has_autograds_gradients():
+    """``spd_solve``'s closed-form backward gives autograd's gradients through the
+    factorisation (the jittered Cholesky of the symmetrised matrix, then the solve),
+    for the matrix and the right-hand side, to float64 round-off."""
+    from sklearn_lla._core.linalg import cholesky
+    from sklearn_lla._posteriors.gp_algebra import spd_solve
+
+    torch.manual_seed(0)
+    G = torch.randn(7, 9, dtype=F64)
+    A0 = G @ G.T / 9 + 0.1 * torch.eye(7, dtype=F64)
+    b0, w = torch.randn(7, dtype=F64), torch.randn(7, dtype=F64)
+    grads = []
+    for closed in (True, False):
+        A, b = A0.clone().requires_grad_(), b0.clone().requires_grad_()
+        if closed:
+            x = spd_solve(A, b)
+        else:
+            x = torch.cholesky_solve(b.reshape(-1, 1), cholesky(A, warn=False)).reshape(-1)
+        ((x * w).sum() + (x * x).sum()).backward()
+        grads.append((x.detach(), A.grad, b.grad))
+    for a, r in zip(*grads):
+        torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
+    # only the right-hand side requires a gradient
+    b = b0.clone().requires_grad_()
+    spd_solve(A0, b).sum().backward()
+    torch.testing.assert_close(b.grad, torch.linalg.solve(A0, torch.ones(7, dtype=F64)),
+                               rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("delta", ["class", "input"])
+def test_prior_variances_are_the_prior_blocks_diagonal(delta):
+    """``ClassificationKernel.prior_variances`` is the diagonal of ``prior_blocks`` (the
+    kernel's ``diag_blocks``), the same numbers."""
+    k, X = _class_kernel(delta)
+    _, psi = k.features_(X[:6])
+    blocks = k.prior_blocks(psi.double())
+    torch.testing.assert_close(blocks, k.diag_blocks(X[:6]), rtol=0, atol=0)
+    torch.testing.assert_close(k.prior_variances(psi.double()),
+                               torch.diagonal(blocks, dim1=-2, dim2=-1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kw,lean", [({}, True), ({"alpha": 0.5}, False),
+                                     ({"kernel": ClassificationKernel(delta="input")}, True)])
+def test_default_classifier_steps_run_the_factored_objective(monkeypatch, kw, lean):
+    """The classifier's default step is ``FactoredObjective``'s lean loss (the probit
+    energy at alpha = 1); the Monte Carlo energy (alpha = 0.5) runs the engine's loss."""
+    from sklearn_lla._posteriors.fmgp_cross import FactoredObjective
+
+    real = gp_mod.minimize
+    seen = {}
+
+    def fake(loss_fn, params, batches, **kw_):
+        obj = loss_fn.__self__
+        seen.update(kind=type(obj), lean=obj.lean, groups=obj.post._groups is not False)
+        kw_.update(max_iter=2, early_stopping=False, validation=None)
+        return real(loss_fn, params, batches, **kw_)
+
+    monkeypatch.setattr(gp_mod, "minimize", fake)
+    X, y = _data("classification")
+    FMGPClassifier(_Counted(3, 3), n_inducing=9, batch_size=50, random_state=0,
+                   device="cpu", **kw).fit(X, y)
+    assert seen["kind"] is FactoredObjective and seen["groups"]
+    assert seen["lean"] is lean

@@ -244,7 +244,7 @@ def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: in
              n_iter_no_change: int = 5, tol: float = 0.0, progress_tol: float = 0.0,
              n_iter_no_progress: int | None = None, check_start: bool = False,
              verbose: int = 0, desc: str = "optimising", lr_schedule="constant",
-             final_lr_factor: float = 0.01) -> OptimResult:
+             final_lr_factor: float = 0.01, fused: bool = False) -> OptimResult:
     """Minimise ``loss_fn(batch)`` over ``params`` with Adam.
 
     Parameters
@@ -300,6 +300,10 @@ def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: in
         a noise floor set by ``lr``.
     final_lr_factor : float, default=0.01
         The last step's factor for ``"cosine"`` (and the floor of ``"step"``).
+    fused : bool, default=False
+        Run torch's fused Adam kernel (one pass over every tensor instead of a dozen
+        operations per tensor: the same update up to float round-off). For loops of
+        many cheap steps over several small tensors (FMGP).
 
     Returns
     -------
@@ -311,7 +315,7 @@ def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: in
         raise ValueError(f"validation must be a callable, 'loss' or None, got {validation!r}")
     if tol < 0 or not math.isfinite(tol):
         raise ValueError(f"tol must be a finite number >= 0, got {tol!r}")
-    opt = torch.optim.Adam(params, lr=lr)
+    opt = torch.optim.Adam(params, lr=lr, **({"fused": True} if fused else {}))
     res = OptimResult(monitor="none" if validation is None else
                       "loss" if on_loss else "validation")
     patience = Patience(n_iter_no_change, tol, progress_tol=progress_tol,

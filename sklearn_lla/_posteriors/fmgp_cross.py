@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import ClassificationKernel, _ScaledDistance
+from .gp import _VariationalObjective
+from .gp_algebra import variational_terms
+from .kernels import ClassificationKernel
 
-__all__ = ["ClassCross", "class_groups", "factored_batch"]
+__all__ = ["ClassCross", "FactoredObjective", "class_groups", "factored_batch"]
 
 _F64 = torch.float64
 
@@ -150,18 +152,60 @@ def factored_batch(kernel, x, Z, cz, groups):
     """
     if type(kernel) is not ClassificationKernel or kernel.delta not in ("class", "input"):
         return None
-    z, psi_z = kernel._inducing(Z)
-    zs = kernel._dist.scale(z)
-    Kzz = kernel._pairs(z, zs, psi_z, z, zs, psi_z, cz, cz, gram=True)
-    psi_x = kernel._psi(x)
-    xs = kernel._dist.scale(x)
-    d2 = _ScaledDistance.sq(xs, zs)
-    Q = torch.exp(kernel.log_amplitude - 0.5 * d2)  # a RBF, (B, M)
-    lin = kernel.feature_scale * (psi_x @ psi_z.T)
-    if kernel.delta == "input":
-        R, Q = Q * (lin + kernel._same(x, z, d2)), None
-    else:
-        R = Q * lin
+    Kzz, R, Q, Bmat, psi_x = kernel.step_factors(x, Z, cz)
     if groups is not None:
         groups = groups.to(R.device)
-    return Kzz, ClassCross(R, Q, kernel._B(), groups), kernel._diag(psi_x)
+    return Kzz, ClassCross(R, Q, Bmat, groups), kernel.prior_blocks(psi_x)
+
+
+class FactoredObjective(_VariationalObjective):
+    """FMGP's minibatch objective, with the step of the classification kernel factored.
+
+    Where :meth:`lean` holds (:class:`~sklearn_lla.kernels.ClassificationKernel` itself,
+    the full covariance, and an energy that reads only the latent variances: the
+    probit link at alpha = 1), :meth:`loss` evaluates the engine's loss (the
+    fixed-mean term, and ``Q*``'s when the posterior has it) with fewer operations:
+
+    * the cross covariances stay factored (:class:`ClassCross`);
+    * the prior variances are formed without the ``C x C`` prior blocks
+      (:meth:`~sklearn_lla.kernels.ClassificationKernel.prior_variances`);
+    * ``a = (Kzz + eps I)^-1 q_mu`` is differentiated in closed form
+      (:func:`~sklearn_lla._posteriors.gp_algebra.spd_solve`).
+
+    The same loss and gradients as the engine's step to float64 round-off
+    (``tests/test_fmgp_cost.py``); elsewhere the engine's ``loss``.
+    """
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        k = self.kernel
+        self.lean = (self.diagonal and not self.subspace and not self.regression
+                     and type(k) is ClassificationKernel and k.delta in ("class", "input"))
+
+    def loss(self, batch):
+        """The minibatch objective (a differentiable scalar)."""
+        # the posterior's class groups are set by its ``start`` (False: not factored)
+        if not self.lean or getattr(self.post, "_groups", False) is False:
+            return super().loss(batch)
+        from .fmgp import _qstar_weights
+
+        post, data, kernel = self.post, self.data, self.kernel
+        x, y = batch
+        Kzz, R, Q, Bmat, psi_x = kernel.step_factors(x, self.Z, self.cz)
+        groups = post._groups
+        cross = ClassCross(R, Q, Bmat, None if groups is None else groups.to(R.device))
+        terms = variational_terms(Kzz, self.L_raw)
+        qstar = post.mean_regularizer
+        V = cross @ terms.W.T
+        var = (kernel.prior_variances(psi_x) - (V * V).sum(-1)).clamp_min(0.0)
+        cov = torch.diag_embed(var)
+        lik = self.elik
+        n_total = data.n_samples
+        e = lik.log_predictive(post._mean(data.lin, x), cov, y)
+        loss = -e.mean() + terms.kl / n_total
+        if not qstar:
+            return loss
+        a = _qstar_weights(post.q_mu, Kzz)
+        e_star = lik.log_predictive(cross @ a, cov, y)
+        kl = terms.kl + 0.5 * (a @ (Kzz @ a))
+        return loss + (-e_star.mean() + kl / n_total)

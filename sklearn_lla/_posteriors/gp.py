@@ -364,6 +364,11 @@ class FixedMeanGPPosterior(Posterior):
     #: :meth:`make_kernel` may set another that keeps them (``"weight_norm"``).
     fixed_strategy = Fixed.name
 
+    #: Whether the Adam loop runs torch's fused Adam kernel (see
+    #: :func:`~sklearn_lla._core.optim.minimize`); FMGP's steps are cheap enough for
+    #: Adam's per-tensor operations to show.
+    fused_adam = False
+
     #: The calibration's hundreds of held-out NLL evaluations are small tensor
     #: operations, as a step is (:data:`FIT_THREADS`).
     calibration_threads = FIT_THREADS
@@ -426,6 +431,15 @@ class FixedMeanGPPosterior(Posterior):
         factorisation (see :meth:`VaLLAPosterior.subspace_cholesky`).
         """
         return cholesky(Kzz, "inducing kernel matrix", warn=False)
+
+    def make_objective(self, data, kernel, Z, cz, L_raw, log_noise, fixed_noise):
+        """The minibatch objective of one ``fit`` on its live tensors (a hook).
+
+        Default: the engine's ``_VariationalObjective`` (``loss(batch)`` and
+        ``held_out_nll()``); a subclass may return one that evaluates the same loss
+        with fewer operations (FMGP's factored step).
+        """
+        return _VariationalObjective(self, data, kernel, Z, cz, L_raw, log_noise, fixed_noise)
 
     def extra_parameters(self) -> list:
         """Further trainable tensors of :meth:`extra_loss` (created in :meth:`make_kernel`)."""
@@ -550,8 +564,7 @@ class FixedMeanGPPosterior(Posterior):
         if log_noise is not None:
             params.append(log_noise)
         # -- the objective (on the live tensors), the start, the checks, the loop ----------
-        objective = _VariationalObjective(self, data, kernel, Z, cz, L_raw, log_noise,
-                                          fixed_noise)
+        objective = self.make_objective(data, kernel, Z, cz, L_raw, log_noise, fixed_noise)
         self.start(data, kernel, Z, cz, L_raw, log_noise)
         validation = self.monitor(kernel, Z, cz, L_raw, objective.noise)  # the objective
         val = data.validation
@@ -569,7 +582,7 @@ class FixedMeanGPPosterior(Posterior):
                        progress_tol=self.progress_tol,
                        n_iter_no_progress=self.n_iter_no_progress,
                        check_start=callable(validation), verbose=data.verbose,
-                       desc=f"{self._display_name()}: fitting")
+                       desc=f"{self._display_name()}: fitting", fused=self.fused_adam)
         # -- publish -----------------------------------------------------------------------
         self.freeze(data.lin, kernel, Z, cz, L_raw)
         self.n_iter = int(res.n_iter)

@@ -659,6 +659,65 @@ class ClassificationKernel(RBF):
         psi_x = self._psi(x)  # last: the predictive mean of x then reuses this pass
         return Kzz, self._cross(x, psi_x, zs, z, psi_z, cz), self._diag(psi_x)
 
+    def step_factors(self, x, z, cz):
+        """The factors of one training step's covariances, for factored products.
+
+        The cross covariances are ``K((x_b, c), (z_m, c_m)) = B[c, c_m] (R[b, m] +
+        [c = c_m] Q[b, m])`` with ``Q = a RBF(x, z)`` and ``R = Q psi(x)^T psi(z) / s``
+        (``delta="class"``); with ``delta="input"``, ``R = Q (psi^T psi / s + [x = z])``
+        and no ``Q`` term. :mod:`sklearn_lla._posteriors.fmgp_cross` multiplies them
+        without forming the (B, C, M) tensor. The same formulas as :meth:`batch`, in
+        the same order (``psi(x)`` last).
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, n_features)
+            The minibatch's inputs.
+        z : Tensor of shape (M, n_features) or (M, n_features + F)
+            Inducing inputs (or rows ``[z_m, psi_m]``, see :meth:`lift_inducing`).
+        cz : Tensor of shape (M,)
+            Their class indices.
+
+        Returns
+        -------
+        Kzz : Tensor of shape (M, M)
+            ``gram(z, cz)``.
+        R : Tensor of shape (B, M)
+            The factor every class shares.
+        Q : Tensor of shape (B, M) or None
+            The own-class factor (``None`` with ``delta="input"``).
+        Bmat : Tensor of shape (C, C)
+            The output covariance ``B``.
+        psi_x : Tensor of shape (B, F)
+            ``psi(x)`` in float64 (for :meth:`prior_blocks` / :meth:`prior_variances`).
+        """
+        z, psi_z = self._inducing(z)
+        zs = self._dist.scale(z)
+        Kzz = self._pairs(z, zs, psi_z, z, zs, psi_z, cz, cz, gram=True)
+        psi_x = self._psi(x)
+        xs = self._dist.scale(x)
+        d2 = _ScaledDistance.sq(xs, zs)
+        Q = torch.exp(self.log_amplitude - 0.5 * d2)  # a RBF, (B, M)
+        lin = self.feature_scale * (psi_x @ psi_z.T)
+        if self.delta == "input":
+            R, Q = Q * (lin + self._same(x, z, d2)), None
+        else:
+            R = Q * lin
+        return Kzz, R, Q, self._B(), psi_x
+
+    def prior_blocks(self, psi):
+        """:meth:`diag_blocks` from the points' features ``psi`` (B, F): (B, C, C)."""
+        return self._diag(psi)
+
+    def prior_variances(self, psi):
+        """The diagonal of :meth:`prior_blocks`, ``a B_cc (|psi|^2 / s + 1)``: (B, C).
+
+        The same numbers as the blocks' diagonal, without forming the blocks.
+        """
+        lin = self.feature_scale * (psi * psi).sum(-1)  # (B,)
+        scaled = torch.exp(self.log_amplitude) * torch.diagonal(self._B())
+        return scaled[None] * (lin[:, None] + 1.0)
+
     def predictor(self, z, cz, W):
         """Build the prediction function, with ``psi(Z)`` computed once.
 
