@@ -292,8 +292,8 @@ class SampledLLAClassifier(_SampledMixin, LaplaceClassifierMixin):
         improvement threshold (with ``early_stopping``). Looser than the regressor's
         ``1e-4`` (whose EM reads the effective dimension off the solve): a sample off
         by ``1e-3`` relative is 100 times below the Monte Carlo error of ``K = 64``
-        samples; on the digits CNN (``docs/sampled.md``) it saves one of two
-        conjugate-gradient iterations with the same NLL, ECE and OOD AUC to 4 digits.
+        samples; on the digits CNN it saves one of two conjugate-gradient
+        iterations with the same NLL, ECE and OOD AUC to 4 digits.
     n_iter_no_change : int, default=3
         Windows without progress before an E-step ends (with ``early_stopping``).
     g_prior : bool, default=False

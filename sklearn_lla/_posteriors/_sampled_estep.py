@@ -31,7 +31,9 @@ AUTO_ITERATIONS = {"cg": 1000, "adam": 300}
 
 #: ``preconditioner_rank="auto"``: the Nystrom sketch's rank in units of the number
 #: of columns ``K + 1`` solved (the sketch costs this many conjugate-gradient
-#: iterations; measured in ``docs/sampled.md``).
+#: iterations; measured in ``docs/sampled.md``): room for the columns' starts and
+#: right-hand sides in its test matrix (the Galerkin start,
+#: :meth:`~sklearn_lla._core.krylov.NystromPreconditioner.galerkin`).
 AUTO_PRECONDITIONER_RANK = 2
 
 #: Largest number of batches in a full data pass for which ``solver="auto"`` uses

@@ -10,7 +10,9 @@ Antoran et al. (ICLR 2023), nothing ``P x P`` or ``NC x NC`` is ever formed:
   conjugate gradients on the whitened linear systems (``solver="cg"``, the default
   when a data pass is at most :data:`CG_MAX_BATCHES` batches: deterministic, to a
   relative residual ``tol``, preconditioned by a randomized Nystrom sketch of the
-  whitened GGN made once per fit, :mod:`sklearn_lla._core.krylov`) or by minibatch Adam
+  whitened GGN made once per fit, :mod:`sklearn_lla._core.krylov`, whose test matrix
+  holds the starts and right-hand sides: CG starts from the best point within its
+  range, with no data pass) or by minibatch Adam
   (:func:`sklearn_lla._core.optim.minimize`). The samples minimise the
   low-variance sample-then-optimise objective
   ``1/2 z^T (sum_n J_n^T Lam_n J_n) z + 1/2 (z - theta_n)^T A (z - theta_n)`` with
