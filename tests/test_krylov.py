@@ -160,3 +160,26 @@ def test_sketch_eigendecomposition_routes_agree(monkeypatch):
                                  torch.Generator().manual_seed(1))
     assert calls and torch.linalg.norm((pre.U * pre.lam) @ pre.U.T - low) < 1e-8 * float(
         torch.linalg.norm(low))
+
+
+def test_test_matrix_orthonormalisation(monkeypatch):
+    # Cholesky QR for a well-conditioned test matrix, Householder QR for an
+    # ill-conditioned one (nearly dependent columns: a start equal to its right-hand
+    # side up to 1e-9); both omega = Q R with orthonormal Q, R upper triangular.
+    from sklearn_lla._core import krylov
+
+    g = torch.Generator().manual_seed(7)
+    good = torch.randn(500, 30, dtype=torch.float64, generator=g)
+    bad = good.clone()
+    bad[:, 1] = bad[:, 0] + 1e-9 * bad[:, 2]
+    calls = []
+    orig = torch.linalg.qr
+    monkeypatch.setattr(torch.linalg, "qr", lambda *a, **kw: calls.append(1) or orig(*a, **kw))
+    for omega, householder in ((good, False), (bad, True)):
+        calls.clear()
+        Q, R = krylov._orthonormalize(omega)
+        assert bool(calls) == householder
+        eye = torch.eye(30, dtype=torch.float64)
+        assert torch.linalg.norm(Q.T @ Q - eye) < 1e-12
+        assert torch.linalg.norm(Q @ R - omega) < 1e-12 * torch.linalg.norm(omega)
+        assert torch.equal(R, torch.triu(R))

@@ -31,6 +31,11 @@ _F64 = torch.float64
 #: orthogonality error below ``1e-8``) rather than the SVD of the tall factor.
 _GRAM_SPREAD = 1e-8
 
+#: Smallest ratio of the smallest to largest eigenvalue of ``omega^T omega`` for which
+#: the sketch's test matrix is orthonormalised by Cholesky QR (:func:`_orthonormalize`,
+#: an orthogonality error below ``1e-9``) rather than Householder QR.
+_CHOLQR_SPREAD = 1e-6
+
 
 @dataclass
 class NystromPreconditioner:
@@ -168,7 +173,7 @@ def nystrom_preconditioner(matvec, n: int, rank: int, generator: torch.Generator
     fixed = [v.T.to(device=device, dtype=_F64) for v in (include, span) if v is not None]
     if fixed:
         omega = torch.cat(fixed + [omega], dim=1)
-    Q, Rq = torch.linalg.qr(omega)
+    Q, Rq = _orthonormalize(omega)
     AQ = matvec(Q.T.contiguous()).T.to(_F64)  # (n, r)
     # include = Q[:, :k] Rq[:k, :k] (Rq upper triangular): A include = AQ[:, :k] Rq[:k, :k]
     products = (AQ[:, :k] @ Rq[:k, :k]).T if k else None
@@ -189,6 +194,27 @@ def nystrom_preconditioner(matvec, n: int, rank: int, generator: torch.Generator
         lam = (s.pow(2) - nu).clamp_min(0.0)
     pre = NystromPreconditioner(U, lam, 1.0, Q, AQ, core0)
     return pre if include is None else (pre, products)
+
+
+def _orthonormalize(omega: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Q, R)``, ``omega = Q R`` with orthonormal ``Q`` and upper-triangular ``R``.
+
+    Cholesky QR (``omega^T omega = L L^T``, ``Q = omega L^-T``: one ``n x r`` Gram and
+    one ``n x r`` product, where Householder QR makes ``Q`` by a second sweep of
+    reflections) when ``omega`` is well-conditioned: the orthogonality error of one
+    pass is about ``eps cond(omega)^2``, so only for ``cond(omega)^2 <=
+    1 / `` :data:`_CHOLQR_SPREAD`; Householder QR otherwise.
+    """
+    G = omega.T @ omega
+    G = 0.5 * (G + G.T)
+    ev = torch.linalg.eigvalsh(G)
+    if bool(torch.isfinite(ev).all()) and float(ev[0]) > _CHOLQR_SPREAD * float(ev[-1]):
+        L, info = torch.linalg.cholesky_ex(G)
+        if int(info) == 0:
+            eye = torch.eye(L.shape[0], dtype=L.dtype, device=L.device)
+            Linv = torch.linalg.solve_triangular(L, eye, upper=False)
+            return omega @ Linv.T, L.T
+    return torch.linalg.qr(omega)
 
 
 def _nystrom_eig_by_gram(Y, AQ, core0, L, nu):
