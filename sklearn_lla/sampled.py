@@ -287,9 +287,13 @@ class SampledLLAClassifier(_SampledMixin, LaplaceClassifierMixin):
         1 %).
     early_stopping : bool, default=False
         Adam only: end an E-step early when its windowed objective stops decreasing.
-    tol : float, default=1e-4
+    tol : float, default=1e-3
         Relative residual at which conjugate gradients stop; Adam's relative
-        improvement threshold (with ``early_stopping``).
+        improvement threshold (with ``early_stopping``). Looser than the regressor's
+        ``1e-4`` (whose EM reads the effective dimension off the solve): a sample off
+        by ``1e-3`` relative is 100 times below the Monte Carlo error of ``K = 64``
+        samples; on the digits CNN it saves one of two conjugate-gradient
+        iterations with the same NLL, ECE and OOD AUC to 4 digits.
     n_iter_no_change : int, default=3
         Windows without progress before an E-step ends (with ``early_stopping``).
     g_prior : bool, default=False
@@ -388,7 +392,7 @@ class SampledLLAClassifier(_SampledMixin, LaplaceClassifierMixin):
 
     def __init__(self, net=None, *, n_posterior_samples=64, prior_variance="auto",
                  hyper_strategy="auto", n_em_steps=3, n_em_samples="auto", max_iter="auto",
-                 learning_rate=0.1, lr_schedule="auto", early_stopping=False, tol=1e-4,
+                 learning_rate=0.1, lr_schedule="auto", early_stopping=False, tol=1e-3,
                  n_iter_no_change=3, g_prior=False, solver="auto", preconditioner="nystrom",
                  preconditioner_rank="auto", link_approx="probit",
                  n_samples_predict=512, classes=None, validation_fraction=0.1,

@@ -686,3 +686,35 @@ def test_cnn_classifier_against_exact(cnn_cases):
     err = float(np.mean(np.abs(vs - ve) / ve))
     print(f"\n[sampled cnn] mean relative error of the latent trace: {err:.3f}")
     assert err < 0.15
+
+
+def test_cnn_classifier_galerkin_start_and_default_tol(cnn_cases, monkeypatch):
+    # The Galerkin start (the sketch's test matrix holds the starts and right-hand
+    # sides) never costs iterations (here it saves none; on the digits CNN it brings
+    # the first iteration's residual from 2.5e-3 to 2.7e-4); the classifier's default
+    # tol = 1e-3 lands within its residual of a 1e-10 solve: a sample off by 1e-3
+    # relative changes the latent variance by about 2e-3, far below the Monte Carlo
+    # error sqrt(2 / K) = 0.35 of the K = 16 samples.
+    from sklearn_lla._core.krylov import NystromPreconditioner
+
+    X, y, Xt, net = cnn_cases["classification"]
+    kw = dict(n_posterior_samples=16, random_state=0, device="cpu")
+    default = SampledLLAClassifier(net, **kw).fit(X, y)
+    assert default.get_params()["tol"] == 1e-3 and default.hyper_trace_["solver"] == "cg"
+    opt = default.hyper_trace_["optimisation"]
+    assert opt["converged"] and opt["relative_residual"] <= 1e-3
+    tight = SampledLLAClassifier(net, tol=1e-10, **kw).fit(X, y)
+    vd = np.trace(_cov(default, Xt)[1], axis1=1, axis2=2)
+    vt = np.trace(_cov(tight, Xt)[1], axis1=1, axis2=2)
+    print(f"\n[sampled cnn] latent trace, tol 1e-3 vs 1e-10: {np.max(np.abs(vd / vt - 1)):.2e}")
+    assert np.max(np.abs(vd / vt - 1)) < 1e-2
+    monkeypatch.setattr(NystromPreconditioner, "galerkin", lambda self, X, R: (X, R))
+    plain = SampledLLAClassifier(net, tol=1e-10, **kw).fit(X, y)
+    plain_default = SampledLLAClassifier(net, **kw).fit(X, y)
+    print(f"[sampled cnn] iterations to 1e-3 / 1e-10: Galerkin start {default.n_iter_[-1]} / "
+          f"{tight.n_iter_[-1]}, without {plain_default.n_iter_[-1]} / {plain.n_iter_[-1]}")
+    assert default.n_iter_[-1] <= plain_default.n_iter_[-1]
+    assert tight.n_iter_[-1] <= plain.n_iter_[-1]
+    # the same solution from either start (to the float32 products' rounding)
+    vp = np.trace(_cov(plain, Xt)[1], axis1=1, axis2=2)
+    np.testing.assert_allclose(vt, vp, rtol=1e-5)

@@ -26,6 +26,16 @@ __all__ = ["NystromPreconditioner", "nystrom_preconditioner", "block_cg"]
 
 _F64 = torch.float64
 
+#: Smallest ratio of the sketch's smallest to largest squared singular value for which
+#: its eigenvectors come from the ``r x r`` Gram (:func:`_nystrom_eig_by_gram`, an
+#: orthogonality error below ``1e-8``) rather than the SVD of the tall factor.
+_GRAM_SPREAD = 1e-8
+
+#: Smallest ratio of the smallest to largest eigenvalue of ``omega^T omega`` for which
+#: the sketch's test matrix is orthonormalised by Cholesky QR (:func:`_orthonormalize`,
+#: an orthogonality error below ``1e-9``) rather than Householder QR.
+_CHOLQR_SPREAD = 1e-6
+
 
 @dataclass
 class NystromPreconditioner:
@@ -40,11 +50,20 @@ class NystromPreconditioner:
     scale : float, default=1.0
         ``c``: the preconditioner is for ``I + c A`` (``A`` rescaled without a new sketch;
         a prior or noise variance change in the E-step multiplies ``A`` by a scalar).
+    Q : Tensor of shape (P, r) or None
+        The sketch's orthonormal test matrix (for :meth:`galerkin`).
+    AQ : Tensor of shape (P, r) or None
+        ``A Q`` (for ``c = 1``), the sketch's products.
+    core : Tensor of shape (r, r) or None
+        ``Q^T A Q`` (symmetrised).
     """
 
     U: torch.Tensor
     lam: torch.Tensor
     scale: float = 1.0
+    Q: torch.Tensor | None = None
+    AQ: torch.Tensor | None = None
+    core: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
@@ -53,7 +72,7 @@ class NystromPreconditioner:
 
     def rescaled(self, c: float) -> NystromPreconditioner:
         """The preconditioner of ``I + c A`` (same sketch)."""
-        return NystromPreconditioner(self.U, self.lam, float(c))
+        return NystromPreconditioner(self.U, self.lam, float(c), self.Q, self.AQ, self.core)
 
     def apply(self, R: torch.Tensor) -> torch.Tensor:
         """``P^{-1} r`` for every row ``r`` of ``R`` (M, P)."""
@@ -61,9 +80,44 @@ class NystromPreconditioner:
         w = (lam[-1] + 1.0) / (lam + 1.0) - 1.0  # U-coefficients of P^-1 - I
         return R + ((R @ self.U) * w) @ self.U.T
 
+    def galerkin(self, X: torch.Tensor, R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The best correction of ``X`` within the sketch's range, with no product.
+
+        For ``M = I + c A`` and residuals ``R = B - M X`` (rows), the correction
+        ``Q g`` minimising the ``M``-norm error of ``X + Q g`` solves
+        ``(Q^T M Q) g = Q^T r``, and ``Q^T M Q = I + c Q^T (A Q)`` and ``M Q`` are known
+        from the sketch: the new residual is ``r - Q g - c (A Q) g``. A conjugate-gradient
+        run started there has an ``M``-norm error no larger than from ``X`` (what
+        :func:`block_cg`'s error bound is relative to). When ``B``'s rows are in the
+        test matrix (:func:`nystrom_preconditioner`'s ``span``), the correction holds
+        the whole right-hand side, not only the stiff directions.
+
+        Parameters
+        ----------
+        X : Tensor of shape (k, n)
+            Start (float64); updated in place and returned.
+        R : Tensor of shape (k, n)
+            Its residuals; updated in place and returned.
+
+        Returns
+        -------
+        X, R : Tensor of shape (k, n)
+        """
+        if self.Q is None or self.AQ is None or self.core is None:
+            return X, R
+        c = self.scale
+        M = torch.eye(self.rank, dtype=_F64, device=self.core.device) + c * self.core
+        G = torch.linalg.solve(M, (R @ self.Q).T).T  # (k, r); M is SPD
+        GQ = G @ self.Q.T
+        X += GQ
+        R -= GQ
+        R.addmm_(G, self.AQ.T, alpha=-c)
+        return X, R
+
 
 def nystrom_preconditioner(matvec, n: int, rank: int, generator: torch.Generator,
-                           device=None, include: torch.Tensor | None = None):
+                           device=None, include: torch.Tensor | None = None,
+                           span: torch.Tensor | None = None):
     """Rank-``rank`` randomized Nystrom approximation of a PSD operator, as a preconditioner.
 
     Parameters
@@ -86,12 +140,19 @@ def nystrom_preconditioner(matvec, n: int, rank: int, generator: torch.Generator
         product of its own. A Nystrom approximation only improves when the test
         matrix's range grows, so fixed vectors next to Gaussian ones do not weaken it
         (and a solver's random start, e.g. prior draws, is itself Gaussian).
+    span : Tensor of shape (m, n), optional
+        More vectors the test matrix contains (after ``include``; ``k + m <= rank``),
+        whose products are not returned: a solver's right-hand sides, so that
+        :meth:`NystromPreconditioner.galerkin` corrects its start within a range that
+        holds them.
 
     Returns
     -------
     NystromPreconditioner
-        With ``scale = 1``; a tuple ``(preconditioner, A include^T)`` (the products
-        as rows, (k, n), float64) when ``include`` is given.
+        With ``scale = 1`` (and the test matrix ``Q`` and ``A Q`` kept for
+        :meth:`~NystromPreconditioner.galerkin`); a tuple ``(preconditioner,
+        A include^T)`` (the products as rows, (k, n), float64) when ``include`` is
+        given.
 
     Notes
     -----
@@ -105,35 +166,87 @@ def nystrom_preconditioner(matvec, n: int, rank: int, generator: torch.Generator
     """
     rank = max(1, min(int(rank), int(n)))
     k = 0 if include is None else int(include.shape[0])
-    if k > rank:
-        raise ValueError(f"include has {k} vectors, more than the rank {rank}")
-    omega = torch.randn((n, rank - k), dtype=_F64, generator=generator).to(device)
-    if k:
-        omega = torch.cat([include.T.to(device=device, dtype=_F64), omega], dim=1)
-    Q, Rq = torch.linalg.qr(omega)
-    Y = matvec(Q.T.contiguous()).T.to(_F64)  # (n, r)
-    # include = Q[:, :k] Rq[:k, :k] (Rq upper triangular): A include = Y[:, :k] Rq[:k, :k]
-    products = (Y[:, :k] @ Rq[:k, :k]).T if k else None
-    nu = math.sqrt(n) * torch.finfo(_F64).eps * float(torch.linalg.norm(Y))
+    m = 0 if span is None else int(span.shape[0])
+    if k + m > rank:
+        raise ValueError(f"include and span have {k + m} vectors, more than the rank {rank}")
+    omega = torch.randn((n, rank - k - m), dtype=_F64, generator=generator).to(device)
+    fixed = [v.T.to(device=device, dtype=_F64) for v in (include, span) if v is not None]
+    if fixed:
+        omega = torch.cat(fixed + [omega], dim=1)
+    Q, Rq = _orthonormalize(omega)
+    AQ = matvec(Q.T.contiguous()).T.to(_F64)  # (n, r)
+    # include = Q[:, :k] Rq[:k, :k] (Rq upper triangular): A include = AQ[:, :k] Rq[:k, :k]
+    products = (AQ[:, :k] @ Rq[:k, :k]).T if k else None
+    nu = math.sqrt(n) * torch.finfo(_F64).eps * float(torch.linalg.norm(AQ))
     nu = max(nu, torch.finfo(_F64).tiny)
-    Y = Y + nu * Q
-    core = Q.T @ Y
-    L, info = torch.linalg.cholesky_ex(0.5 * (core + core.T))
+    core0 = Q.T @ AQ
+    core0 = 0.5 * (core0 + core0.T)  # Q^T A Q
+    eye = torch.eye(core0.shape[0], dtype=_F64, device=core0.device)
+    L, info = torch.linalg.cholesky_ex(core0 + nu * eye)  # Q^T (A Q + nu Q)
     if int(info) != 0:  # numerically indefinite (rounding in the products): shift further
-        extra = float(-torch.linalg.eigvalsh(0.5 * (core + core.T)).min()) + 10 * nu
-        Y, nu = Y + extra * Q, nu + extra
-        core = Q.T @ Y
-        L = torch.linalg.cholesky(0.5 * (core + core.T))
-    B = torch.linalg.solve_triangular(L, Y.T, upper=False).T  # Y C^-T, C = L
-    U, s, _ = torch.linalg.svd(B, full_matrices=False)
-    lam = (s.pow(2) - nu).clamp_min(0.0)
-    if include is None:
-        return NystromPreconditioner(U, lam)
-    return NystromPreconditioner(U, lam), products
+        nu += float(-torch.linalg.eigvalsh(core0 + nu * eye).min()) + 10 * nu
+        L = torch.linalg.cholesky(core0 + nu * eye)
+    Y = AQ + nu * Q
+    U, lam = _nystrom_eig_by_gram(Y, AQ, core0, L, nu)
+    if U is None:  # ill-conditioned: the SVD of the tall factor (accurate at any spread)
+        B = torch.linalg.solve_triangular(L, Y.T, upper=False).T  # Y C^-T, C = L
+        U, s, _ = torch.linalg.svd(B, full_matrices=False)
+        lam = (s.pow(2) - nu).clamp_min(0.0)
+    pre = NystromPreconditioner(U, lam, 1.0, Q, AQ, core0)
+    return pre if include is None else (pre, products)
+
+
+def _orthonormalize(omega: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Q, R)``, ``omega = Q R`` with orthonormal ``Q`` and upper-triangular ``R``.
+
+    Cholesky QR (``omega^T omega = L L^T``, ``Q = omega L^-T``: one ``n x r`` Gram and
+    one ``n x r`` product, where Householder QR makes ``Q`` by a second sweep of
+    reflections) when ``omega`` is well-conditioned: the orthogonality error of one
+    pass is about ``eps cond(omega)^2``, so only for ``cond(omega)^2 <=
+    1 / `` :data:`_CHOLQR_SPREAD`; Householder QR otherwise.
+    """
+    G = omega.T @ omega
+    G = 0.5 * (G + G.T)
+    ev = torch.linalg.eigvalsh(G)
+    if bool(torch.isfinite(ev).all()) and float(ev[0]) > _CHOLQR_SPREAD * float(ev[-1]):
+        L, info = torch.linalg.cholesky_ex(G)
+        if int(info) == 0:
+            eye = torch.eye(L.shape[0], dtype=L.dtype, device=L.device)
+            Linv = torch.linalg.solve_triangular(L, eye, upper=False)
+            return omega @ Linv.T, L.T
+    return torch.linalg.qr(omega)
+
+
+def _nystrom_eig_by_gram(Y, AQ, core0, L, nu):
+    """``(U, lam)`` of the Nystrom approximation ``B B^T``, ``B = Y L^-T``, from the
+    eigendecomposition of the small ``B^T B = L^-1 Y^T Y L^-T`` (``r x r``) and
+    ``U = Y L^-T V diag(1 / s)``: one ``n x r`` Gram and one ``n x r`` product instead
+    of a triangular solve and the SVD of the tall ``B``.
+
+    Squaring ``B`` loses the small singular values' relative accuracy (``U``'s
+    orthogonality error is about ``eps s_1^2 / s_r^2``): used only when the spread
+    ``s_r^2 / s_1^2`` is above :data:`_GRAM_SPREAD` (checked on ``Q^T A Q`` first, then
+    on ``B^T B``); returns ``(None, None)`` otherwise.
+    """
+    ev = torch.linalg.eigvalsh(core0)
+    if float(ev[0] + nu) <= _GRAM_SPREAD * float(ev[-1] + nu):
+        return None, None
+    eye = torch.eye(L.shape[0], dtype=_F64, device=L.device)
+    # Y^T Y for Y = AQ + nu Q (Q orthonormal): AQ^T AQ + 2 nu Q^T A Q + nu^2 I
+    YtY = AQ.T @ AQ + (2.0 * nu) * core0 + (nu * nu) * eye
+    T = torch.linalg.solve_triangular(L, YtY, upper=False)  # L^-1 Y^T Y
+    BtB = torch.linalg.solve_triangular(L, T.T, upper=False)  # L^-1 Y^T Y L^-T
+    s2, V = torch.linalg.eigh(0.5 * (BtB + BtB.T))
+    s2, V = s2.flip(0), V.flip(1)  # decreasing
+    if not bool(torch.isfinite(s2).all()) or float(s2[-1]) <= _GRAM_SPREAD * float(s2[0]):
+        return None, None
+    U = Y @ (torch.linalg.solve_triangular(L.T, V, upper=True) * s2.rsqrt())
+    return U, (s2 - nu).clamp_min(0.0)
 
 
 def block_cg(op, B: torch.Tensor, X: torch.Tensor, tol: float, max_iter: int,
-             precond=None, callback=None, start_product: torch.Tensor | None = None):
+             precond=None, callback=None, start_product: torch.Tensor | None = None,
+             start_correction=None):
     """Conjugate gradients on ``op(X) = B`` for every row, batched (one ``op`` per iteration).
 
     Parameters
@@ -160,6 +273,10 @@ def block_cg(op, B: torch.Tensor, X: torch.Tensor, tol: float, max_iter: int,
         ``op(X)`` at the start when it is already known (e.g. from a preconditioner's
         sketch, :func:`nystrom_preconditioner`'s ``include``): the initial residual
         then costs no product.
+    start_correction : callable, optional
+        ``start_correction(X, R) -> (X, R)``: a better start and its residuals from the
+        start's, with no product (:meth:`NystromPreconditioner.galerkin`), applied
+        before the first iteration.
 
     Returns
     -------
@@ -179,6 +296,8 @@ def block_cg(op, B: torch.Tensor, X: torch.Tensor, tol: float, max_iter: int,
     tiny = torch.finfo(_F64).tiny
     bnorm = B.norm(dim=1).clamp_min(tiny)
     R = B - (op(X) if start_product is None else start_product)
+    if start_correction is not None:
+        X, R = start_correction(X, R)
     Zr = precond(R) if precond is not None else R
     D = Zr.clone()
     rz = (R * Zr).sum(1)
@@ -188,13 +307,16 @@ def block_cg(op, B: torch.Tensor, X: torch.Tensor, tol: float, max_iter: int,
         alpha = rz / (D * MD).sum(1).clamp_min(tiny)
         X += alpha[:, None] * D
         R -= alpha[:, None] * MD
-        Zr = precond(R) if precond is not None else R
-        rz_new = (R * Zr).sum(1)
-        D = Zr + (rz_new / rz.clamp_min(tiny))[:, None] * D
-        rz, it = rz_new, it + 1
+        it += 1
         rel = float((R.norm(dim=1) / bnorm).max())
         if not math.isfinite(rel):
             raise FloatingPointError(f"conjugate gradients diverged at iteration {it}")
         if callback is not None:
             callback(it, rel)
+        if rel <= tol or it >= max_iter:  # (no next direction to make)
+            break
+        Zr = precond(R) if precond is not None else R
+        rz_new = (R * Zr).sum(1)
+        D = Zr + (rz_new / rz.clamp_min(tiny))[:, None] * D
+        rz = rz_new
     return X, it, rel, R

@@ -18,6 +18,25 @@ _F64 = torch.float64
 ROW_STORE_ELEMENTS = 2**27
 
 
+def _add_flat(out: torch.Tensor | None, parts: dict, lin) -> torch.Tensor:
+    """``out += stack_flat(parts)`` in float64, parameter by parameter (no flat copy in
+    the network's dtype, no separate cast); a new float64 (K, P) tensor when ``out`` is
+    ``None``."""
+    K = parts[lin.names[0]].shape[0]
+    if out is None:
+        out = torch.empty((K, lin.n_params), dtype=_F64, device=parts[lin.names[0]].device)
+        fill = True
+    else:
+        fill = False
+    start = 0
+    for n in lin.names:
+        blk = parts[n].reshape(K, -1)
+        dst = out[:, start:start + blk.shape[1]]
+        dst.copy_(blk) if fill else dst.add_(blk)
+        start += blk.shape[1]
+    return out
+
+
 class BatchRows:
     """The Jacobian rows of one fit's training batches, made once and reused by its
     data passes (the perturbations, the Nystrom sketch, every conjugate-gradient
@@ -105,6 +124,11 @@ class BatchRows:
         """The network's outputs at batch ``i`` (B, C)."""
         return torch.cat([R.output for _, R in self.chunks(i, x)])
 
+    def tangents(self, T: torch.Tensor) -> dict:
+        """Flat tangents ``T`` (K, P) as the per-parameter dict in the network's dtype
+        that :meth:`jvp` and :meth:`ggn_product` take (made once per pass)."""
+        return self.lin.unflatten(T.to(self.lin.dtype))
+
     def jvp(self, i: int, x: torch.Tensor, T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(g, J T)`` of batch ``i`` as :meth:`LinearizedNet.jvp` for tangents ``T`` (K, P)."""
         lin, K = self.lin, T.shape[0]
@@ -122,24 +146,23 @@ class BatchRows:
         out = None
         for s, R in self.chunks(i, x):
             U = cot[:, s:s + R.n_points].to(lin.dtype).permute(1, 2, 0).reshape(-1, K)
-            part = stack_flat(R.vjp(U), lin.names).to(_F64)
-            out = part if out is None else out.add_(part)
+            out = _add_flat(out, R.vjp(U), lin)
         return out
 
-    def ggn_product(self, i: int, x: torch.Tensor, T: torch.Tensor, lik) -> torch.Tensor:
+    def ggn_product(self, i: int, x: torch.Tensor, T: torch.Tensor, lik, out=None,
+                    Td: dict | None = None) -> torch.Tensor:
         """``sum_b J_b^T Lam_b J_b t_k`` over batch ``i`` for tangents ``T`` (K, P):
-        float64 (K, P), each chunk's rows used for both of its products."""
+        float64 (K, P), each chunk's rows used for both of its products; added to
+        ``out`` when given. ``Td``: :meth:`tangents` of ``T``, when already made."""
         lin, K = self.lin, T.shape[0]
-        Td = lin.unflatten(T.to(lin.dtype))
-        out = None
+        Td = self.tangents(T) if Td is None else Td
         for _, R in self.chunks(i, x):
             b = R.n_points
             jt = R.matmul(Td).view(b, -1, K)
             A = lik.lam_factor(R.output.to(_F64))
             ajt = torch.einsum("bcd,bck->bdk", A, jt.to(_F64))
             U = torch.einsum("bcd,bdk->bck", A, ajt).to(lin.dtype).reshape(-1, K)
-            part = stack_flat(R.vjp(U), lin.names).to(_F64)
-            out = part if out is None else out.add_(part)
+            out = _add_flat(out, R.vjp(U), lin)
         return out
 
 
@@ -168,12 +191,19 @@ class BackendProducts:
         """:meth:`LinearizedNet.vjp`, flat (K, P) float64."""
         return stack_flat(self.lin.vjp(x, cot), self.lin.names).to(_F64)
 
-    def ggn_product(self, i: int, x: torch.Tensor, T: torch.Tensor, lik) -> torch.Tensor:
-        """``sum_b J_b^T Lam_b J_b t_k`` over the batch: one JVP, one VJP (float64)."""
+    def tangents(self, T: torch.Tensor) -> None:
+        """Nothing to prepare (:meth:`LinearizedNet.jvp` takes flat tangents)."""
+        return None
+
+    def ggn_product(self, i: int, x: torch.Tensor, T: torch.Tensor, lik, out=None,
+                    Td=None) -> torch.Tensor:
+        """``sum_b J_b^T Lam_b J_b t_k`` over the batch: one JVP, one VJP (float64),
+        added to ``out`` when given."""
         g, jt = self.lin.jvp(x, T)
         A = lik.lam_factor(g.to(_F64))
         ajt = torch.einsum("bcd,bck->bdk", A, jt.to(_F64))
-        return self.vjp(i, x, torch.einsum("bcd,bdk->kbc", A, ajt))
+        part = self.vjp(i, x, torch.einsum("bcd,bdk->kbc", A, ajt))
+        return part if out is None else out.add_(part)
 
 
 def products(lin, store: BatchRows | None):
@@ -208,10 +238,11 @@ def _ggn_product_sums(payload, batches):
     """
     lin, lik, T = payload[:3]
     ops = products(lin, payload[3] if len(payload) > 3 else None)
-    out = torch.zeros(T.shape, dtype=_F64, device=T.device)
+    Td = ops.tangents(T)  # (the network's dtype, once per pass)
+    out = None
     for i, (x, _) in enumerate(batches):
-        out += ops.ggn_product(i, x, T, lik)
-    return (out,)
+        out = ops.ggn_product(i, x, T, lik, out, Td)
+    return (torch.zeros(T.shape, dtype=_F64, device=T.device) if out is None else out,)
 
 
 def _statistics_sums(payload, batches):
