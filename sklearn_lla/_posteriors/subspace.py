@@ -229,11 +229,7 @@ def lowrank_directions(lin, X, n_outputs, psi, s, batch_size=256, row_space=Fals
                 M[rows_i, rows_j] = M[rows_j, rows_i].T
     lam, U = _top_eigvecs(M, s, auto_dim_cap(lin.n_params))
     del M
-    Pm = torch.zeros((passes.p, U.shape[1]), dtype=torch.float64, device=lin.device)
-    for i, si in enumerate(chunks):
-        Jt = passes.rows_t(i)
-        Pm += (Jt if row_space else passes.psi(Jt)) @ U[si.start * C:si.stop * C]
-    Q, _ = torch.linalg.qr(passes.to_params(Pm))
+    Q, _ = torch.linalg.qr(passes.directions(U, row_space))
     return Q.T.contiguous(), lam
 
 
@@ -264,6 +260,11 @@ class _NetPasses:
     def rows_t(self, i):
         """``J^T`` of chunk ``i``'s rows, ``(p, b C)`` float64."""
         return self.lin.jacobian(self.X[self.chunks[i]]).double().reshape(-1, self.p).T
+
+    def directions(self, U, row_space):
+        """``J^T U`` (``row_space``) or ``Psi J^T U``, ``(p, w)`` float64."""
+        Pm = self.jt(U)
+        return Pm if row_space else self.psi(Pm)
 
     @staticmethod
     def to_params(P):
@@ -321,11 +322,10 @@ def _randomized_directions(lin, passes, C, s, k, row_space, generator):
         Q, _ = torch.linalg.qr(Y)
     lam, W = _select_top(lam, W, s, auto_dim_cap(lin.n_params), n * C)
     if keep:  # J^T U_s or Psi J^T U_s, U_s = K W
-        Pm = torch.cat(As if row_space else PAs, 1) @ W
+        Pm = passes.to_params(torch.cat(As if row_space else PAs, 1) @ W)
     else:
-        Pm = passes.jt(torch.cat(K, 1) @ W)
-        Pm = Pm if row_space else passes.psi(Pm)
-    V, _ = torch.linalg.qr(passes.to_params(Pm))
+        Pm = passes.directions(torch.cat(K, 1) @ W, row_space)
+    V, _ = torch.linalg.qr(Pm)
     return V.T.contiguous(), lam
 
 
