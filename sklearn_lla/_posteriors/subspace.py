@@ -391,7 +391,12 @@ class SubspacePosterior(GLMPosterior):
 
     # ---------------------------------------------------------------- helpers
     def _fit_statistic(self, lin, data):
-        """Residual sum of squares (regression) or log likelihood, one forward pass."""
+        """Residual sum of squares (regression) or log likelihood: from the outputs of
+        the training rows the KFAC pass kept, else one forward pass."""
+        kept = getattr(self, "_kfac_rows", None)
+        if kept is not None:
+            return _fit_statistic((lin, data.likelihood),
+                                  ((rows.output, y) for rows, y in kept.items), forward=False)[0]
         return data.reduce(_fit_statistic, (lin, data.likelihood))[0]
 
     def _subset_inputs(self, data):
@@ -727,12 +732,13 @@ def _ggn_trace(payload, batches):
     return (total,)
 
 
-def _fit_statistic(payload, batches):
-    """``(residual sum of squares or log likelihood,)`` over ``batches`` (adds over rows)."""
+def _fit_statistic(payload, batches, forward=True):
+    """``(residual sum of squares or log likelihood,)`` over ``batches`` (adds over rows);
+    ``forward=False``: the batches hold the network's outputs instead of its inputs."""
     lin, lik = payload
     stat = 0.0
     for x, y in batches:
-        g = lin.forward(x).double()
+        g = (lin.forward(x) if forward else x).double()
         check_finite_outputs(g, "training rows")
         stat += (float(((y - g) ** 2).sum()) if lik.task == "regression"
                  else float(lik.log_prob(g, y).sum()))

@@ -221,7 +221,9 @@ class _RotatedPasses:
         first = self._rotated(chunks[0])
         per_point = _elements(first) / max(chunks[0].stop - chunks[0].start, 1)
         if per_point * X.shape[0] <= ROTATED_ROWS_ELEMENTS:
-            self._cache = [first] + [self._rotated(sl) for sl in chunks[1:]]
+            # computed chunk by chunk, kept as one chunk (one product per block)
+            rotated = [first] + [self._rotated(sl) for sl in chunks[1:]]
+            self._cache = _cat_rotated(rotated) if len(rotated) > 1 else first
 
     def _rotated(self, sl):
         x = self.X[sl]
@@ -246,7 +248,7 @@ class _RotatedPasses:
 
     def _each(self):
         if self._cache is not None:
-            return zip(self.chunks, self._cache)
+            return [(slice(0, self.X.shape[0]), self._cache)]
         return ((sl, self._rotated(sl)) for sl in self.chunks)
 
     def psi(self, T):
@@ -344,7 +346,8 @@ class _RotatedPasses:
     def rows_t(self, i):
         """``J^T`` of chunk ``i``'s rows ``(p, b C)``: its rotated rows, formed."""
         sl = self.chunks[i]
-        rotated = self._cache[i] if self._cache is not None else self._rotated(sl)
+        rotated = (_slice_rotated(self._cache, sl, self.C) if self._cache is not None
+                   else self._rotated(sl))
         n = (sl.stop - sl.start) * self.C
         out = torch.zeros((n, self.p), dtype=_F64, device=self.w.device)
         self._add_jt(out, rotated, torch.eye(n, dtype=_F64, device=self.w.device))
@@ -353,6 +356,29 @@ class _RotatedPasses:
     def to_params(self, P):
         """Columns in the rotated layout -> the parameters' layout."""
         return self.kfac.unrotate(P)
+
+
+def _cat_rotated(chunks):
+    """The rotated rows of consecutive chunks (:meth:`_RotatedPasses._rotated`) as one."""
+    parts = []
+    for ps in zip(*(c[0] for c in chunks)):
+        if ps[0] is None:
+            parts.append(None)
+        elif isinstance(ps[0], tuple):
+            parts.append(tuple(torch.cat(ts) for ts in zip(*ps)))
+        else:
+            parts.append(torch.cat(ps))
+    Dd = None if chunks[0][1] is None else torch.cat([c[1] for c in chunks])
+    return parts, Dd
+
+
+def _slice_rotated(rotated, sl, C):
+    """The points ``sl`` of rotated rows (``C`` rows a point)."""
+    parts, Dd = rotated
+    rows = slice(sl.start * C, sl.stop * C)
+    parts = [None if p is None else tuple(t[sl] for t in p) if isinstance(p, tuple)
+             else p[rows] for p in parts]
+    return parts, (None if Dd is None else Dd[rows])
 
 
 def _elements(rotated):
