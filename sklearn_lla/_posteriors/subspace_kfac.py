@@ -280,6 +280,16 @@ class _RotatedPasses:
 
     def jt(self, Q):
         """``J^T Q`` ``(p, w)`` for ``Q`` ``(n C, w)`` (rotated layout), float64."""
+        if self._cache is not None:  # one chunk: its blocks' products cast once, no sums
+            parts, Dd = self._cache
+            Qd, w = Q.to(self.dtype), Q.shape[1]
+            cols = [self._block_jt(part, Qd) if part is not None else
+                    Qd.new_zeros((w, size)) for part, size in zip(parts, self.kfac._sizes)]
+            if Dd is not None:
+                cols.append(Qd.T @ Dd)
+            elif self.kfac._n_diag:
+                cols.append(Qd.new_zeros((w, self.kfac._n_diag)))
+            return torch.cat(cols, 1).to(_F64).T
         out = torch.zeros((Q.shape[1], self.p), dtype=_F64, device=Q.device)
         for sl, rotated in self._each():
             self._add_jt(out, rotated, Q[sl.start * self.C:sl.stop * self.C])
