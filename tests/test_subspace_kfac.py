@@ -152,3 +152,30 @@ def test_rotated_range_finder_of_a_float32_net(kind, row_space, request):
         assert V1.dtype == l1.dtype == torch.float64
         np.testing.assert_allclose(l1.numpy(), l0.numpy(), rtol=2e-6)
         np.testing.assert_allclose(torch.linalg.svdvals(V1 @ V0.T).numpy(), 1.0, atol=1e-10)
+
+
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_fit_statistic_from_the_kept_rows(task, request, monkeypatch):
+    """The projector's data fit (log likelihood / residual sum of squares) read from the
+    outputs of the training rows the KFAC pass kept equals a forward pass's, to
+    round-off (a different chunking of the same sum)."""
+    from sklearn_lla._posteriors.subspace import SubspacePosterior
+
+    X, y, _, net = request.getfixturevalue("cnn_cases")[task]
+    m = copy.deepcopy(net.module_).double()
+    cls = SubspaceLaplaceClassifier if task == "classification" else SubspaceLaplaceRegressor
+    orig, seen = SubspacePosterior._fit_statistic, []
+
+    def both(self, lin, data):
+        kept = orig(self, lin, data)
+        rows, self._kfac_rows = self._kfac_rows, None
+        seen.append((rows is not None, kept, orig(self, lin, data)))
+        self._kfac_rows = rows
+        return kept
+
+    monkeypatch.setattr(SubspacePosterior, "_fit_statistic", both)
+    kw = {} if task == "classification" else dict(noise_variance="auto")
+    cls(m, device="cpu", random_state=0, **kw).fit(X.astype(np.float64), y)
+    assert seen and all(k for k, _, _ in seen)
+    for _, kept, fwd in seen:
+        assert kept == pytest.approx(fwd, rel=1e-12)
