@@ -290,9 +290,12 @@ def _randomized_directions(lin, passes, C, s, k, row_space, generator):
     for it in range(RANGE_MAX_ITERATIONS + 1):
         A = passes.jt(Q)
         PA = passes.psi(A)
+        # the newest block of K^T M K: Q^T (M Q) where M Q is cheap (rotated rows: the
+        # product the next step needs, n C rows), else (J^T Q)^T Psi (J^T Q) (p rows)
+        MQ = None if keep else passes.j(PA)
         cross = torch.cat(MK, 1).T @ Q if MK else B.new_zeros((0, Q.shape[1]))
         B = torch.cat([torch.cat([B, cross], 1),
-                       torch.cat([cross.T, A.T @ PA], 1)])  # K^T M K, without another pass
+                       torch.cat([cross.T, A.T @ PA if keep else Q.T @ MQ], 1)])
         K.append(Q)
         if keep:
             As.append(A)
@@ -311,7 +314,7 @@ def _randomized_directions(lin, passes, C, s, k, row_space, generator):
                           "its subspace is the best found", RuntimeWarning, stacklevel=4)
             break
         previous = captured
-        MK.append(passes.j(PA))  # M Q, then orthogonalised against the Krylov basis (twice)
+        MK.append(passes.j(PA) if keep else MQ)  # M Q, orthogonalised against K (twice)
         Y = MK[-1].clone()
         Kb = torch.cat(K, 1)
         norm = float(torch.linalg.norm(Y))
