@@ -288,18 +288,21 @@ def _randomized_directions(lin, passes, C, s, k, row_space, generator):
     B = torch.zeros((0, 0), dtype=torch.float64, device=lin.device)
     previous = None
     for it in range(RANGE_MAX_ITERATIONS + 1):
-        A = passes.jt(Q)
-        PA = passes.psi(A)
-        # the newest block of K^T M K: Q^T (M Q) where M Q is cheap (rotated rows: the
-        # product the next step needs, n C rows), else (J^T Q)^T Psi (J^T Q) (p rows)
-        MQ = None if keep else passes.j(PA)
-        cross = torch.cat(MK, 1).T @ Q if MK else B.new_zeros((0, Q.shape[1]))
-        B = torch.cat([torch.cat([B, cross], 1),
-                       torch.cat([cross.T, A.T @ PA if keep else Q.T @ MQ], 1)])
-        K.append(Q)
+        # the newest block of K^T M K: (J^T Q)^T Psi (J^T Q) (p rows) where J^T Q is kept,
+        # else Q^T (M Q) from the product M Q the next step needs (rotated rows: each
+        # Kronecker block's J_b Psi_b J_b^T Q at once, n C rows)
         if keep:
+            A = passes.jt(Q)
+            PA = passes.psi(A)
             As.append(A)
             PAs.append(PA)
+            new = A.T @ PA
+        else:
+            MQ = passes.m(Q)
+            new = Q.T @ MQ
+        cross = torch.cat(MK, 1).T @ Q if MK else B.new_zeros((0, Q.shape[1]))
+        B = torch.cat([torch.cat([B, cross], 1), torch.cat([cross.T, new], 1)])
+        K.append(Q)
         lam, W = safe_eigh(0.5 * (B + B.T), "projected covariance K^T J Psi J^T K")
         lam, W = lam.flip(0), W.flip(1)
         captured = float(lam[:k].clamp_min(0).sum())

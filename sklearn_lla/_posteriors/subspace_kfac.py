@@ -217,7 +217,7 @@ class _RotatedPasses:
         # the layer factors in the network's dtype where the source takes one (graph
         # backend), else its float64 factors cast (structured backend)
         self._takes_dtype = "dtype" in inspect.signature(self._src.factors).parameters
-        self._cache = None
+        self._cache, self._w_net = None, None
         first = self._rotated(chunks[0])
         per_point = _elements(first) / max(chunks[0].stop - chunks[0].start, 1)
         if per_point * X.shape[0] <= ROTATED_ROWS_ELEMENTS:
@@ -327,24 +327,26 @@ class _RotatedPasses:
             return self.jt_params(U)
         return self.kfac.unrotate(self.psi(self.jt(U)))
 
+    def _block_j(self, part, blk, Tb):
+        """One Kronecker block's ``J_chunk T_b`` ``(b C, w)`` for its ``(w, out in')``
+        columns ``Tb`` (rotated coordinates), in the network's dtype."""
+        w = Tb.shape[0]
+        if not isinstance(part, tuple):
+            return part @ Tb.T
+        dt, at = part[:2]
+        b = dt.shape[0]
+        H = (Tb.reshape(w * blk.out, -1) @ at.T).reshape(w, blk.out, b)
+        return torch.einsum("bco,kob->bck", dt, H).reshape(b * self.C, w)
+
     def j(self, T):
         """``J T`` ``(n C, w)`` for ``T`` ``(p, w)`` (rotated layout), float64."""
-        w, C = T.shape[1], self.C
         Tt = T.T.to(self.dtype)
         res = []
         for _, (parts, Dd) in self._each():
             acc, start = None, 0
             for part, blk, size in zip(parts, self.kfac.blocks, self.kfac._sizes):
                 if part is not None:
-                    Tb = Tt[:, start:start + size]
-                    if isinstance(part, tuple):
-                        dt, at = part[:2]
-                        b = dt.shape[0]
-                        H = (Tb.reshape(w * blk.out, -1) @ at.T).reshape(w, blk.out, b)
-                        z = torch.einsum("bco,kob->bck", dt, H).reshape(b * C, w)
-                    else:
-                        z = part @ Tb.T
-                    z = z.to(_F64)
+                    z = self._block_j(part, blk, Tt[:, start:start + size]).to(_F64)
                     acc = z if acc is None else acc + z
                 start += size
             if Dd is not None:
@@ -352,6 +354,28 @@ class _RotatedPasses:
                 acc = z if acc is None else acc + z
             res.append(acc)
         return torch.cat(res)
+
+    def m(self, Q):
+        """``M Q = J Psi J^T Q`` ``(n C, w)``, float64, for ``Q`` ``(n C, w)``: on kept
+        rows block by block (``Psi`` is diagonal in the rotated layout), each block's
+        ``J_b^T Q``, its scaling and ``J_b (.)`` in the network's dtype, the blocks'
+        products summed in float64; else :meth:`j` of :meth:`psi` of :meth:`jt`."""
+        if self._cache is None:
+            return self.j(self.psi(self.jt(Q)))
+        if self._w_net is None:
+            self._w_net = self.w.to(self.dtype)
+        parts, Dd = self._cache
+        Qd, wn, acc, start = Q.to(self.dtype), self._w_net, None, 0
+        for part, blk, size in zip(parts, self.kfac.blocks, self.kfac._sizes):
+            if part is not None:
+                Y = self._block_jt(part, Qd) * wn[start:start + size]
+                z = self._block_j(part, blk, Y).to(_F64)
+                acc = z if acc is None else acc + z
+            start += size
+        if Dd is not None:
+            z = (Dd @ ((Qd.T @ Dd) * wn[start:]).T).to(_F64)
+            acc = z if acc is None else acc + z
+        return acc if acc is not None else torch.zeros_like(Q)
 
     def rows_t(self, i):
         """``J^T`` of chunk ``i``'s rows ``(p, b C)``: its rotated rows, formed."""
