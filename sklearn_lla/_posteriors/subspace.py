@@ -229,11 +229,7 @@ def lowrank_directions(lin, X, n_outputs, psi, s, batch_size=256, row_space=Fals
                 M[rows_i, rows_j] = M[rows_j, rows_i].T
     lam, U = _top_eigvecs(M, s, auto_dim_cap(lin.n_params))
     del M
-    Pm = torch.zeros((passes.p, U.shape[1]), dtype=torch.float64, device=lin.device)
-    for i, si in enumerate(chunks):
-        Jt = passes.rows_t(i)
-        Pm += (Jt if row_space else passes.psi(Jt)) @ U[si.start * C:si.stop * C]
-    Q, _ = torch.linalg.qr(passes.to_params(Pm))
+    Q, _ = torch.linalg.qr(passes.directions(U, row_space))
     return Q.T.contiguous(), lam
 
 
@@ -265,6 +261,11 @@ class _NetPasses:
         """``J^T`` of chunk ``i``'s rows, ``(p, b C)`` float64."""
         return self.lin.jacobian(self.X[self.chunks[i]]).double().reshape(-1, self.p).T
 
+    def directions(self, U, row_space):
+        """``J^T U`` (``row_space``) or ``Psi J^T U``, ``(p, w)`` float64."""
+        Pm = self.jt(U)
+        return Pm if row_space else self.psi(Pm)
+
     @staticmethod
     def to_params(P):
         """The layout is the parameters' already."""
@@ -287,15 +288,21 @@ def _randomized_directions(lin, passes, C, s, k, row_space, generator):
     B = torch.zeros((0, 0), dtype=torch.float64, device=lin.device)
     previous = None
     for it in range(RANGE_MAX_ITERATIONS + 1):
-        A = passes.jt(Q)
-        PA = passes.psi(A)
-        cross = torch.cat(MK, 1).T @ Q if MK else B.new_zeros((0, Q.shape[1]))
-        B = torch.cat([torch.cat([B, cross], 1),
-                       torch.cat([cross.T, A.T @ PA], 1)])  # K^T M K, without another pass
-        K.append(Q)
+        # the newest block of K^T M K: (J^T Q)^T Psi (J^T Q) (p rows) where J^T Q is kept,
+        # else Q^T (M Q) from the product M Q the next step needs (rotated rows: each
+        # Kronecker block's J_b Psi_b J_b^T Q at once, n C rows)
         if keep:
+            A = passes.jt(Q)
+            PA = passes.psi(A)
             As.append(A)
             PAs.append(PA)
+            new = A.T @ PA
+        else:
+            MQ = passes.m(Q)
+            new = Q.T @ MQ
+        cross = torch.cat(MK, 1).T @ Q if MK else B.new_zeros((0, Q.shape[1]))
+        B = torch.cat([torch.cat([B, cross], 1), torch.cat([cross.T, new], 1)])
+        K.append(Q)
         lam, W = safe_eigh(0.5 * (B + B.T), "projected covariance K^T J Psi J^T K")
         lam, W = lam.flip(0), W.flip(1)
         captured = float(lam[:k].clamp_min(0).sum())
@@ -310,7 +317,7 @@ def _randomized_directions(lin, passes, C, s, k, row_space, generator):
                           "its subspace is the best found", RuntimeWarning, stacklevel=4)
             break
         previous = captured
-        MK.append(passes.j(PA))  # M Q, then orthogonalised against the Krylov basis (twice)
+        MK.append(passes.j(PA) if keep else MQ)  # M Q, orthogonalised against K (twice)
         Y = MK[-1].clone()
         Kb = torch.cat(K, 1)
         norm = float(torch.linalg.norm(Y))
@@ -321,11 +328,10 @@ def _randomized_directions(lin, passes, C, s, k, row_space, generator):
         Q, _ = torch.linalg.qr(Y)
     lam, W = _select_top(lam, W, s, auto_dim_cap(lin.n_params), n * C)
     if keep:  # J^T U_s or Psi J^T U_s, U_s = K W
-        Pm = torch.cat(As if row_space else PAs, 1) @ W
+        Pm = passes.to_params(torch.cat(As if row_space else PAs, 1) @ W)
     else:
-        Pm = passes.jt(torch.cat(K, 1) @ W)
-        Pm = Pm if row_space else passes.psi(Pm)
-    V, _ = torch.linalg.qr(passes.to_params(Pm))
+        Pm = passes.directions(torch.cat(K, 1) @ W, row_space)
+    V, _ = torch.linalg.qr(Pm)
     return V.T.contiguous(), lam
 
 
@@ -391,7 +397,12 @@ class SubspacePosterior(GLMPosterior):
 
     # ---------------------------------------------------------------- helpers
     def _fit_statistic(self, lin, data):
-        """Residual sum of squares (regression) or log likelihood, one forward pass."""
+        """Residual sum of squares (regression) or log likelihood: from the outputs of
+        the training rows the KFAC pass kept, else one forward pass."""
+        kept = getattr(self, "_kfac_rows", None)
+        if kept is not None:
+            return _fit_statistic((lin, data.likelihood),
+                                  ((rows.output, y) for rows, y in kept.items), forward=False)[0]
         return data.reduce(_fit_statistic, (lin, data.likelihood))[0]
 
     def _subset_inputs(self, data):
@@ -727,12 +738,13 @@ def _ggn_trace(payload, batches):
     return (total,)
 
 
-def _fit_statistic(payload, batches):
-    """``(residual sum of squares or log likelihood,)`` over ``batches`` (adds over rows)."""
+def _fit_statistic(payload, batches, forward=True):
+    """``(residual sum of squares or log likelihood,)`` over ``batches`` (adds over rows);
+    ``forward=False``: the batches hold the network's outputs instead of its inputs."""
     lin, lik = payload
     stat = 0.0
     for x, y in batches:
-        g = lin.forward(x).double()
+        g = (lin.forward(x) if forward else x).double()
         check_finite_outputs(g, "training rows")
         stat += (float(((y - g) ** 2).sum()) if lik.task == "regression"
                  else float(lik.log_prob(g, y).sum()))

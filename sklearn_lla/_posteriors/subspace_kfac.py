@@ -22,11 +22,17 @@ two factors for one position, formed for several), so every step of the range fi
 of :func:`~sklearn_lla._posteriors.subspace.lowrank_directions` is two contractions of
 cached rows and a diagonal scaling, instead of two passes through the network and a
 rotation of ``p x (k + o)`` columns into the eigenbases and back. The directions
-found are rotated back to the parameters once. All of it in float64 (the rows'
-passes run in the network's dtype).
+found are formed in the parameters' layout once (:meth:`_RotatedPasses.jt_params`:
+the layers of one position from their unrotated factors, the others' small blocks
+rotated back). The rows, their rotations and their products with the range finder's
+columns run in the network's dtype (Jacobian products) and are cast to float64 before
+they are summed; the columns, the eigenbases, ``Psi_approx`` and everything the range
+finder accumulates are float64.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
@@ -44,8 +50,8 @@ _F64 = torch.float64
 #: is one more pass.
 ROW_CACHE_ELEMENTS = 2**26
 
-#: Largest number of float64 elements of the subset's rotated rows kept between the
-#: range finder's steps (beyond it they are recomputed chunk by chunk at each step).
+#: Largest number of elements (in the network's dtype) of the subset's rotated rows kept
+#: between the range finder's steps (beyond it they are recomputed chunk by chunk at each step).
 ROTATED_ROWS_ELEMENTS = 2**25
 
 
@@ -136,11 +142,22 @@ class LayerKFAC:
 
     def unrotate(self, R):
         """Columns ``R`` ``(p, k)`` in the rotated layout -> the parameters' layout."""
-        k, out, start = R.shape[1], {}, 0
+        k, mats, start = R.shape[1], [], 0
         Rt = R.T
         for blk, (_, Ug, _, Ua), size in zip(self.blocks, self.eig, self._sizes):
-            M = Ug @ Rt[:, start:start + size].reshape(k, blk.out, blk.n_in) @ Ua.T
+            mats.append(Ug @ Rt[:, start:start + size].reshape(k, blk.out, blk.n_in) @ Ua.T)
             start += size
+        return self._to_params(mats, Rt[:, start:], k).contiguous()
+
+    def _to_params(self, mats, diag, k):
+        """``(p, k)`` float64 columns in the parameters' layout from every Kronecker
+        block's ``(k, out, in')`` matrices (parameters' coordinates; ``None``: zero) and
+        the diagonal parameters' ``(k, p_diag)`` columns (the transpose of a contiguous
+        ``(k, p)``: LAPACK's column-major layout)."""
+        out, start = {}, 0
+        for blk, M in zip(self.blocks, mats):
+            if M is None:
+                M = torch.zeros((k, blk.out, blk.n_in), dtype=_F64, device=self.lin.device)
             if blk.weight_name is not None:
                 n_w = blk.n_in - (blk.bias_name is not None)
                 out[blk.weight_name] = M[..., :n_w].reshape(k, *blk.weight_shape)
@@ -148,9 +165,9 @@ class LayerKFAC:
                 out[blk.bias_name] = M[..., -1]
         for n in self.diag_names:
             size = self.lin.params[n].numel()
-            out[n] = Rt[:, start:start + size].reshape(k, *self.lin.params[n].shape)
+            out[n] = diag[:, start:start + size].reshape(k, *self.lin.params[n].shape)
             start += size
-        return stack_flat(out, self.lin.names).T.contiguous()
+        return stack_flat(out, self.lin.names).T
 
     def inverse(self, prior_variance, noise_variance=None):
         """``Psi_approx = (H_KFAC / s2 + I / s0^2)^-1`` as a map on ``(p, k)`` float64
@@ -179,8 +196,12 @@ class _RotatedPasses:
     """``J^T Q``, ``J T`` and ``Psi T`` over the rows of ``X`` in the rotated layout.
 
     Per chunk of points and Kronecker block: for one position the rotated factors
-    ``dt = U_G^T d`` ``(b, C, out)`` and ``at = U_A^T abar`` ``(b, in')``; for several the
-    rotated row blocks ``(b C, out in')``; the diagonal parameters' rows as they are.
+    ``dt = U_G^T d`` ``(b, C, out)`` and ``at = U_A^T abar`` ``(b, in')`` (with the
+    unrotated ``d`` and ``abar``, for :meth:`jt_params`); for several the rotated row
+    blocks ``(b C, out in')``; the diagonal parameters' rows as they are. The rows,
+    their rotations and their products with the range finder's columns run in the
+    network's dtype (Jacobian products); every product is cast to float64 before it is
+    summed (over chunks, blocks), and the columns, ``Psi`` and the bases stay float64.
     Cached when they fit :data:`ROTATED_ROWS_ELEMENTS`, else recomputed per product.
     """
 
@@ -189,96 +210,178 @@ class _RotatedPasses:
         self.chunks = chunks
         self.p = int(w.shape[0])
         self.rotated_layout = True
+        self.dtype = lin.dtype
+        # the eigenbases in the network's dtype, for the rows' rotations
+        self._bases = [(Ug.to(self.dtype), Ua.to(self.dtype)) for _, Ug, _, Ua in kfac.eig]
         self._src = layer_factors(lin)
-        self._cache = None
+        # the layer factors in the network's dtype where the source takes one (graph
+        # backend), else its float64 factors cast (structured backend)
+        self._takes_dtype = "dtype" in inspect.signature(self._src.factors).parameters
+        self._cache, self._w_net = None, None
         first = self._rotated(chunks[0])
         per_point = _elements(first) / max(chunks[0].stop - chunks[0].start, 1)
         if per_point * X.shape[0] <= ROTATED_ROWS_ELEMENTS:
-            self._cache = [first] + [self._rotated(sl) for sl in chunks[1:]]
+            # computed chunk by chunk, kept as one chunk (one product per block)
+            rotated = [first] + [self._rotated(sl) for sl in chunks[1:]]
+            self._cache = _cat_rotated(rotated) if len(rotated) > 1 else first
 
     def _rotated(self, sl):
         x = self.X[sl]
-        _, facs, D = self._src.factors(x)  # float64, all C outputs' rows
+        kw = {"dtype": self.dtype} if self._takes_dtype else {}
+        _, facs, D = self._src.factors(x, **kw)  # all C outputs' rows
         b, C = x.shape[0], self.C
         parts = []
-        for f, blk, (_, Ug, _, Ua) in zip(facs, self.kfac.blocks, self.kfac.eig):
+        for f, blk, (Ug, Ua) in zip(facs, self.kfac.blocks, self._bases):
             if f is None:  # a layer the forward pass does not use: zero rows
                 parts.append(None)
                 continue
-            a, d = f  # (b, T, in'), (b, C, out, T)
+            a, d = (t.to(self.dtype) for t in f)  # (b, T, in'), (b, C, out, T)
             at = a @ Ua
             dt = torch.matmul(Ug.T, d)
             if a.shape[1] == 1:
-                parts.append((dt[..., 0], at[:, 0]))
+                parts.append((dt[..., 0], at[:, 0], d[..., 0], a[:, 0]))
             else:
                 Z = torch.bmm(dt.reshape(b, C * blk.out, -1), at)
                 parts.append(Z.reshape(b * C, -1))
-        Dd = None if D is None else D.reshape(b * C, -1)
+        Dd = None if D is None else D.to(self.dtype).reshape(b * C, -1)
         return parts, Dd
 
     def _each(self):
         if self._cache is not None:
-            return zip(self.chunks, self._cache)
+            return [(slice(0, self.X.shape[0]), self._cache)]
         return ((sl, self._rotated(sl)) for sl in self.chunks)
 
     def psi(self, T):
         """``Psi_approx T`` (rotated layout)."""
         return self.w[:, None] * T
 
+    def _block_jt(self, part, Qd, unrotated=False):
+        """One Kronecker block's ``(w, out in')`` part of ``(J_chunk^T Qd)^T``, in the
+        network's dtype (rotated coordinates; ``unrotated``: the parameters', for the
+        blocks of one position only)."""
+        w = Qd.shape[1]
+        if not isinstance(part, tuple):
+            return Qd.T @ part
+        dt, at = part[2:] if unrotated else part[:2]  # (b, C, out), (b, in')
+        b, C, o = dt.shape
+        E = torch.einsum("bco,bck->kob", dt, Qd.reshape(b, C, w))
+        return (E.reshape(w * o, b) @ at).reshape(w, -1)
+
     def _add_jt(self, out, rotated, Qs):
         """``out (w, p) += (J_chunk^T Qs)^T`` for one chunk's rotated rows."""
         parts, Dd = rotated
-        w, C, start = Qs.shape[1], self.C, 0
+        Qd, start = Qs.to(self.dtype), 0
         for part, size in zip(parts, self.kfac._sizes):
-            if part is None:
-                pass
-            elif isinstance(part, tuple):
-                dt, at = part  # (b, C, out), (b, in')
-                b, _, o = dt.shape
-                E = torch.einsum("bco,bck->kob", dt, Qs.reshape(b, C, w))
-                out[:, start:start + size] += (E.reshape(w * o, b) @ at).reshape(w, -1)
-            else:
-                out[:, start:start + size] += Qs.T @ part
+            if part is not None:
+                out[:, start:start + size] += self._block_jt(part, Qd)
             start += size
         if Dd is not None:
-            out[:, start:] += Qs.T @ Dd
+            out[:, start:] += Qd.T @ Dd
 
     def jt(self, Q):
-        """``J^T Q`` ``(p, w)`` for ``Q`` ``(n C, w)``."""
+        """``J^T Q`` ``(p, w)`` for ``Q`` ``(n C, w)`` (rotated layout), float64."""
+        if self._cache is not None:  # one chunk: its blocks' products cast once, no sums
+            parts, Dd = self._cache
+            Qd, w = Q.to(self.dtype), Q.shape[1]
+            cols = [self._block_jt(part, Qd) if part is not None else
+                    Qd.new_zeros((w, size)) for part, size in zip(parts, self.kfac._sizes)]
+            if Dd is not None:
+                cols.append(Qd.T @ Dd)
+            elif self.kfac._n_diag:
+                cols.append(Qd.new_zeros((w, self.kfac._n_diag)))
+            return torch.cat(cols, 1).to(_F64).T
         out = torch.zeros((Q.shape[1], self.p), dtype=_F64, device=Q.device)
         for sl, rotated in self._each():
             self._add_jt(out, rotated, Q[sl.start * self.C:sl.stop * self.C])
         return out.T
 
+    def jt_params(self, Q):
+        """``J^T Q`` ``(p, w)`` in the parameters' layout, float64, without rotating
+        ``p x w`` columns back: the blocks of one position from their unrotated
+        factors, the others' ``(w, out, in')`` sums rotated back (``U_G . U_A^T``)."""
+        k, C, blocks = Q.shape[1], self.C, self.kfac.blocks
+        mats = [None] * len(blocks)
+        rot = [None] * len(blocks)
+        diag = torch.zeros((k, self.p - sum(self.kfac._sizes)), dtype=_F64, device=Q.device)
+        for sl, (parts, Dd) in self._each():
+            Qd = Q[sl.start * C:sl.stop * C].to(self.dtype)
+            for i, (part, blk) in enumerate(zip(parts, blocks)):
+                if part is None:
+                    continue
+                one = isinstance(part, tuple)
+                M = self._block_jt(part, Qd, unrotated=True).to(_F64)
+                M = M.reshape(k, blk.out, blk.n_in)
+                acc = mats if one else rot
+                acc[i] = M if acc[i] is None else acc[i] + M
+            if Dd is not None:
+                diag += Qd.T @ Dd
+        for i, (_, Ug, _, Ua) in enumerate(self.kfac.eig):
+            if rot[i] is not None:
+                M = Ug @ rot[i] @ Ua.T
+                mats[i] = M if mats[i] is None else mats[i] + M
+        return self.kfac._to_params(mats, diag, k)
+
+    def directions(self, U, row_space):
+        """``J^T U`` (``row_space``) or ``Psi J^T U``, in the parameters' layout."""
+        if row_space:
+            return self.jt_params(U)
+        return self.kfac.unrotate(self.psi(self.jt(U)))
+
+    def _block_j(self, part, blk, Tb):
+        """One Kronecker block's ``J_chunk T_b`` ``(b C, w)`` for its ``(w, out in')``
+        columns ``Tb`` (rotated coordinates), in the network's dtype."""
+        w = Tb.shape[0]
+        if not isinstance(part, tuple):
+            return part @ Tb.T
+        dt, at = part[:2]
+        b = dt.shape[0]
+        H = (Tb.reshape(w * blk.out, -1) @ at.T).reshape(w, blk.out, b)
+        return torch.einsum("bco,kob->bck", dt, H).reshape(b * self.C, w)
+
     def j(self, T):
-        """``J T`` ``(n C, w)`` for ``T`` ``(p, w)``."""
-        w, C = T.shape[1], self.C
-        Tt = T.T
+        """``J T`` ``(n C, w)`` for ``T`` ``(p, w)`` (rotated layout), float64."""
+        Tt = T.T.to(self.dtype)
         res = []
         for _, (parts, Dd) in self._each():
             acc, start = None, 0
             for part, blk, size in zip(parts, self.kfac.blocks, self.kfac._sizes):
                 if part is not None:
-                    Tb = Tt[:, start:start + size]
-                    if isinstance(part, tuple):
-                        dt, at = part
-                        b = dt.shape[0]
-                        H = (Tb.reshape(w * blk.out, -1) @ at.T).reshape(w, blk.out, b)
-                        z = torch.einsum("bco,kob->bck", dt, H).reshape(b * C, w)
-                    else:
-                        z = part @ Tb.T
+                    z = self._block_j(part, blk, Tt[:, start:start + size]).to(_F64)
                     acc = z if acc is None else acc + z
                 start += size
             if Dd is not None:
-                z = Dd @ Tt[:, start:].T
+                z = (Dd @ Tt[:, start:].T).to(_F64)
                 acc = z if acc is None else acc + z
             res.append(acc)
         return torch.cat(res)
 
+    def m(self, Q):
+        """``M Q = J Psi J^T Q`` ``(n C, w)``, float64, for ``Q`` ``(n C, w)``: on kept
+        rows block by block (``Psi`` is diagonal in the rotated layout), each block's
+        ``J_b^T Q``, its scaling and ``J_b (.)`` in the network's dtype, the blocks'
+        products summed in float64; else :meth:`j` of :meth:`psi` of :meth:`jt`."""
+        if self._cache is None:
+            return self.j(self.psi(self.jt(Q)))
+        if self._w_net is None:
+            self._w_net = self.w.to(self.dtype)
+        parts, Dd = self._cache
+        Qd, wn, acc, start = Q.to(self.dtype), self._w_net, None, 0
+        for part, blk, size in zip(parts, self.kfac.blocks, self.kfac._sizes):
+            if part is not None:
+                Y = self._block_jt(part, Qd) * wn[start:start + size]
+                z = self._block_j(part, blk, Y).to(_F64)
+                acc = z if acc is None else acc + z
+            start += size
+        if Dd is not None:
+            z = (Dd @ ((Qd.T @ Dd) * wn[start:]).T).to(_F64)
+            acc = z if acc is None else acc + z
+        return acc if acc is not None else torch.zeros_like(Q)
+
     def rows_t(self, i):
         """``J^T`` of chunk ``i``'s rows ``(p, b C)``: its rotated rows, formed."""
         sl = self.chunks[i]
-        rotated = self._cache[i] if self._cache is not None else self._rotated(sl)
+        rotated = (_slice_rotated(self._cache, sl, self.C) if self._cache is not None
+                   else self._rotated(sl))
         n = (sl.stop - sl.start) * self.C
         out = torch.zeros((n, self.p), dtype=_F64, device=self.w.device)
         self._add_jt(out, rotated, torch.eye(n, dtype=_F64, device=self.w.device))
@@ -287,6 +390,29 @@ class _RotatedPasses:
     def to_params(self, P):
         """Columns in the rotated layout -> the parameters' layout."""
         return self.kfac.unrotate(P)
+
+
+def _cat_rotated(chunks):
+    """The rotated rows of consecutive chunks (:meth:`_RotatedPasses._rotated`) as one."""
+    parts = []
+    for ps in zip(*(c[0] for c in chunks)):
+        if ps[0] is None:
+            parts.append(None)
+        elif isinstance(ps[0], tuple):
+            parts.append(tuple(torch.cat(ts) for ts in zip(*ps)))
+        else:
+            parts.append(torch.cat(ps))
+    Dd = None if chunks[0][1] is None else torch.cat([c[1] for c in chunks])
+    return parts, Dd
+
+
+def _slice_rotated(rotated, sl, C):
+    """The points ``sl`` of rotated rows (``C`` rows a point)."""
+    parts, Dd = rotated
+    rows = slice(sl.start * C, sl.stop * C)
+    parts = [None if p is None else tuple(t[sl] for t in p) if isinstance(p, tuple)
+             else p[rows] for p in parts]
+    return parts, (None if Dd is None else Dd[rows])
 
 
 def _elements(rotated):
