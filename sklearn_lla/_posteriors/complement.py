@@ -189,17 +189,20 @@ def _rows_ggn_trace(rows, mix):
     outputs; ``Lam_b = M_b^T M_b``): the GGN trace's share of the chunk, float64.
 
     The dense blocks' rows are mixed by ``M_b`` in their own dtype (a product of
-    Jacobian rows, ``K C`` per entry) and their squares summed in float64; a factored
-    layer's rows ``delta (x) abar`` give ``||M delta||^2 ||abar||^2`` per point. (The
-    per-point ``C x C`` blocks of the rows in float64, contracted with ``Lam``, cost
-    ``C`` times more on the dense blocks for the same sum.)"""
+    Jacobian rows, as the KFAC factors' mixed signals), each mixed row's norm taken
+    there and the squares summed in float64; a factored layer's rows ``delta (x)
+    abar`` give ``||M delta||^2 ||abar||^2`` per point, in float64. (The per-point
+    ``C x C`` blocks of the rows in float64, contracted with ``Lam``, took as many
+    products but a float64 copy of every dense entry, a few points at a time.)"""
     B, C = rows.output.shape
     M = None if mix is None else mix(rows.output.to(_F64))  # (B, K, C)
     tr = torch.zeros((), dtype=_F64, device=rows.output.device)
     if rows.D is not None:
         D = rows.D.view(B, C, -1)
         MD = D if M is None else torch.bmm(M.to(D.dtype), D)
-        tr += torch.linalg.vector_norm(MD, dtype=_F64).square()
+        # per mixed row its norm in the rows' dtype, the squares summed in float64
+        # (a float64 reduction of every entry costs 15 times more)
+        tr += torch.linalg.vector_norm(MD, dim=-1).to(_F64).square().sum()
     if rows.factors is not None:
         for f in rows.factors.layers:
             d = f.delta.view(B, C, -1).to(_F64)
