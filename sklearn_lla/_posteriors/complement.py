@@ -138,13 +138,18 @@ class _FactorSums:
             T = a.shape[1]
             self.A[j] += _gram_t64(a.reshape(-1, a.shape[-1])) / T
             b_, K_, o, _ = d.shape
-            # (out, b K T) in float64 in one copy: G = sum over (b, k, t) of d d^T as
-            # one product of the long rows (30 % faster than the (b K T, out) layout)
-            df = torch.empty((o, b_, K_, T), dtype=_F64, device=d.device)
-            df.copy_(d.permute(2, 0, 1, 3))
-            df = df.view(o, -1)
-            self.G[j] += df @ df.T
-            del df
+            # G = sum over (b, k, t) of d d^T from one float64 copy: for one position
+            # its plain cast (b K, out); for several the (out, b K T) layout, one
+            # product of long rows (30 % faster than (b K T, out) on the digits CNN's
+            # convolutions, whose (b, K, out, T) signals are transposed either way)
+            if T == 1:
+                self.G[j] += _gram_t64(d.reshape(-1, o))
+            else:
+                df = torch.empty((o, b_, K_, T), dtype=_F64, device=d.device)
+                df.copy_(d.permute(2, 0, 1, 3))
+                df = df.view(o, -1)
+                self.G[j] += df @ df.T
+                del df
             if trace is None:
                 self.tr += _block_trace(a.to(_F64), d.to(_F64))
         if D is not None:
