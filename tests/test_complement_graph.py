@@ -592,3 +592,58 @@ def test_pickled_estimator_rebuilds_the_complements_factors(cnn_cases):
     assert est.residual_correction_ == "kfac"
     back = pickle.loads(pickle.dumps(est))
     np.testing.assert_array_equal(back.predict_proba(Xt), est.predict_proba(Xt))
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_projected_features_from_rotated_blocks(kept, cnn_cases, monkeypatch):
+    """Subspace Laplace's predictions (features ``phi = J(x) V^T`` for a basis ``V``
+    that is not orthonormal, ``Q = W^T V^T``) read ``phi`` and ``j^T Sigma Q^T`` from
+    the row blocks rotated into the Kronecker eigenbases: ``phi`` equals the dense
+    Jacobian's ``J V^T`` and the covariance the complement's own (float64, 1e-10),
+    also across chunks of 3 points; a float32 net gives the float64 one's to 1e-3."""
+    from sklearn_lla._posteriors.glm import ProjectionFeatures
+
+    gen = torch.Generator().manual_seed(5)
+    lin, *_ = _setup(cnn_cases["classification"])
+    V = torch.randn(4, lin.n_params, generator=gen, dtype=torch.float64)
+    L = torch.linalg.cholesky(V @ V.T)
+    W = torch.linalg.solve_triangular(L, torch.eye(4, dtype=torch.float64), upper=False).T
+    Q = W.T @ V  # orthonormal rows spanning V's
+    out = {}
+    for dt in (torch.float64, torch.float32):
+        lin, lik, data, _ = _setup(cnn_cases["classification"], dtype=dt)
+        comp = KFACComplement(lin, data, Q if kept else None)
+        feats = ProjectionFeatures(V).fit(lin)
+        Xq = torch.as_tensor(cnn_cases["classification"][2], dtype=dt)
+        g, phi, cov = comp.features_and_covariance(Xq, feats, W, 1.0 / TAU, None)
+        if dt == torch.float64:
+            J = lin.jacobian(Xq).double()
+            np.testing.assert_allclose(phi.numpy(), (J @ V.T).numpy(), rtol=1e-10,
+                                       atol=1e-10 * float(phi.abs().max()))
+            want = comp.covariance(Xq, phi @ W if kept else None, 1.0 / TAU, None)
+            np.testing.assert_allclose(cov.numpy(), want.numpy(), rtol=1e-10,
+                                       atol=1e-10 * float(want.abs().max()))
+            with monkeypatch.context() as m:
+                m.setattr(comp.source, "step", lambda C: 3)
+                _, phi3, cov3 = comp.features_and_covariance(Xq, feats, W, 1.0 / TAU, None)
+            np.testing.assert_allclose(phi3.numpy(), phi.numpy(), rtol=1e-12, atol=1e-14)
+            np.testing.assert_allclose(cov3.numpy(), cov.numpy(), rtol=1e-10,
+                                       atol=1e-12 * float(cov.abs().max()))
+        out[dt] = cov.numpy()
+    ref = out[torch.float64]
+    np.testing.assert_allclose(out[torch.float32], ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_shared_pass_trace_equals_dense(task, cnn_cases):
+    """The GGN trace of the shared pass (dense blocks' rows mixed by ``M``, factored
+    layers from their factors) is ``||M J||_F^2`` of the dense Jacobian: to 1e-10 for a
+    float64 net, to 1e-6 for a float32 one (mixed rows and norms in float32)."""
+    from sklearn_lla._posteriors.complement import kfac_and_rows_pass
+
+    for dt, rtol in ((torch.float64, 1e-10), (torch.float32, 1e-6)):
+        lin, lik, data, _ = _setup(cnn_cases[task], dtype=dt, task=task)
+        sums = kfac_and_rows_pass((lin, lik, lambda *a: None, []), data.batches(16))
+        want = float(_mixed_jacobian(lin, lik, cnn_cases[task][0].astype(
+            np.float64 if dt == torch.float64 else np.float32)).pow(2).sum())
+        assert sums[-1] == pytest.approx(want, rel=rtol)

@@ -59,7 +59,13 @@ from .diagonal_complement import (
     row_subset,
     weighted_sq_norms,
 )
-from .kfac_layers import layer_factors, supports_layer_factors
+from .kfac_layers import (  # the factors' row sums (_block_trace: tests)
+    _block_trace,  # noqa: F401
+    _FactorSums,
+    _rows_ggn_trace,
+    layer_factors,
+    supports_layer_factors,
+)
 
 __all__ = ["KFACComplement", "supports_kfac_complement", "OUTSIDE_RTOL",
            "DiagonalComplement", "row_subset", "weighted_sq_norms", "mixed_sq_colsum"]
@@ -83,82 +89,6 @@ def _chunks(src, x, C):
     return [slice(s, s + step) for s in range(0, x.shape[0], step)]
 
 
-def _block_trace(a, d):
-    """``sum_b sum_k ||sum_t d_bkt abar_bt^T||_F^2`` of a Kronecker block's rows (the
-    exact GGN trace's share), by whichever is cheaper: forming the row blocks
-    (``out T in'`` per row) or the Gram identity ``sum_tt' (d_t . d_t')(abar_t .
-    abar_t') = sum_k d_k^T (abar abar^T) d_k`` (``T^2 out`` per row and ``T^2 in'`` per
-    point, one batched product per point)."""
-    b, K, o, T = d.shape
-    if T == 1:
-        return float((d[..., 0].pow(2).sum(-1) * a[:, None, 0].pow(2).sum(-1)).sum())
-    n_in = a.shape[-1]
-    if K * T * T * o + T * T * n_in < K * o * T * n_in:
-        Ga = a @ a.transpose(1, 2)  # (b, T, T)
-        dd = d.reshape(b, K * o, T)
-        return float((torch.bmm(dd, Ga) * dd).sum())
-    return float(torch.bmm(d.reshape(b, K * o, T), a).pow(2).sum())
-
-
-def _gram_t64(X):
-    """``X^T X`` in float64 for ``X`` of shape ``(n, p)`` in any dtype (torch's BLAS:
-    scipy's ``syrk`` halves the multiplications, but its BLAS threads, called for
-    every chunk and block, spin against torch's with two threads: 2.5 s instead of
-    3.3 s for the digits CNN's ELLA fit)."""
-    X = X.to(_F64)
-    return X.T @ X
-
-
-class _FactorSums:
-    """The row sums of the KFAC factors (module docstring) over chunks of points."""
-
-    def __init__(self, lin, src):
-        self.lin, self.src = lin, src
-        self.A = self.G = None
-        self.diag = torch.zeros(sum(lin.params[n].numel() for n in src.diag_names),
-                                dtype=_F64, device=lin.device)
-        self.n, self.tr = 0, 0.0
-
-    def add(self, facs, D, n_points, x, trace=None):
-        """Add one chunk's factors ``[(a, d) per block]`` and diagonal rows (``x``: the
-        chunk's inputs, for the blocks' shapes); ``trace``: the chunk's ``tr GGN`` when
-        already known (:func:`_rows_ggn_trace`), else computed from the factors (then
-        float64). The factors may be in the network's dtype (the signals mixed by the
-        likelihood's curvature there, a product of Jacobian rows): the products and
-        the sums are float64."""
-        if self.A is None:
-            blocks = self.src.blocks(x)
-            dev = self.lin.device
-            self.A = [torch.zeros((b.n_in, b.n_in), dtype=_F64, device=dev) for b in blocks]
-            self.G = [torch.zeros((b.out, b.out), dtype=_F64, device=dev) for b in blocks]
-        for j, f in enumerate(facs):
-            if f is None:
-                continue
-            a, d = f  # (b, T, in'), (b, K, out, T)
-            T = a.shape[1]
-            self.A[j] += _gram_t64(a.reshape(-1, a.shape[-1])) / T
-            b_, K_, o, _ = d.shape
-            # (b, K, T, out) in float64 in one copy: G = sum over (b, k, t) of d d^T
-            df = torch.empty((b_, K_, T, o), dtype=_F64, device=d.device)
-            df.copy_(d.transpose(2, 3))
-            self.G[j] += _gram_t64(df.reshape(-1, o))
-            del df
-            if trace is None:
-                self.tr += _block_trace(a.to(_F64), d.to(_F64))
-        if D is not None:
-            sq = D.to(_F64).pow(2).sum((0, 1))
-            self.diag += sq
-            if trace is None:
-                self.tr += float(sq.sum())
-        if trace is not None:
-            self.tr += float(trace)
-        self.n += int(n_points)
-
-    def result(self):
-        """``(A per block..., G per block..., diagonal GGN, n_points, tr GGN)``."""
-        return (*self.A, *self.G, self.diag, self.n, self.tr)
-
-
 def _mixer(lik):
     """The likelihood's curvature factor as the rows' mixing (``None``: unit)."""
     return None if lik.unit_curvature else (lambda g: lik.lam_factor(g).transpose(1, 2))
@@ -180,18 +110,6 @@ def _kfac_pass(payload, batches):
             sums.add(facs, D, 0, x)
         sums.n += x.shape[0]
     return sums.result()
-
-
-def _rows_ggn_trace(rows, mix):
-    """``sum_b tr(Lam_b J_b J_b^T)`` of a chunk's rows (all outputs), float64: the
-    GGN trace's share of the chunk, from the per-point NTK blocks of the rows the
-    features are read from (``C x C`` per point; cheaper than the Kronecker blocks'
-    trace from their factors, :func:`_block_trace`)."""
-    K = rows.diag_blocks()  # (B, C, C), float64
-    if mix is None:
-        return float(torch.einsum("bcc->", K))
-    M = mix(rows.output.to(_F64))  # (B, K, C): the mixed rows are M J
-    return float(torch.einsum("bkc,bcd,bkd->", M, K, M))
 
 
 def kfac_and_rows_pass(payload, batches):
@@ -277,6 +195,7 @@ class KFACComplement:
         state = self.__dict__.copy()
         state["_source"] = None
         state.pop("_kept_check", None)
+        state.pop("_fdir_cache", None)
         return state
 
     def __init__(self, lin, data, Q, sums=None):
@@ -301,7 +220,7 @@ class KFACComplement:
             self.eig.append((lg.clamp_min(0.0), Ug, la.clamp_min(0.0), Ua))
         self.diag = out[2 * L].clamp_min(0.0)
         self.Q = None if Q is None or len(Q) == 0 else Q.to(_F64)
-        self._cache, self._sq_cache, self._rot = {}, {}, None
+        self._cache, self._rot = {}, None
         self.scale, self.fraction, self.outside_fraction = 1.0, 1.0, None
 
     # ---------------------------------------------------------------- algebra
@@ -363,7 +282,7 @@ class KFACComplement:
         outside = total - float(inside_trace)
         self.outside_fraction = max(outside, 0.0) / total if total > 0 else 0.0
         self.scale = 1.0 if self.outside_fraction > OUTSIDE_RTOL else 0.0
-        self._cache, self._sq_cache, self._dir_cache = {}, {}, {}
+        self._cache, self._dir_cache, self._fdir_cache = {}, {}, None
         return self.scale
 
     # ---------------------------------------------------------------- evidence
@@ -472,31 +391,6 @@ class KFACComplement:
             cache[dtype] = [(Ug.to(dtype), Ua.to(dtype)) for _, Ug, _, Ua in self.eig]
         return cache[dtype]
 
-    def _sigma_q(self, tau):
-        """``Sigma_unit Q^T`` as tangents ``{name: (K, *shape)}`` in the network's dtype
-        (cached per ``tau``): ``j^T Sigma_unit Q^T = J(x) (Sigma_unit Q^T)``, a product
-        the rows give with the features'."""
-        cache = self.__dict__.setdefault("_sq_cache", {})  # (absent when unpickled)
-        if tau not in cache:
-            _, _, U, Ud, _ = self._pieces(tau)
-            K, out = len(self.Q), {}
-            for blk, (_, Ug, _, Ua), Yw in zip(self.blocks, self.eig, U):
-                M = Ug @ Yw @ Ua.T  # (K, out, in'): back from the eigenbases
-                if blk.weight_name is not None:
-                    n_w = blk.n_in - (blk.bias_name is not None)
-                    out[blk.weight_name] = M[..., :n_w].reshape(K, *blk.weight_shape)
-                if blk.bias_name is not None:
-                    out[blk.bias_name] = M[..., -1]
-            start = 0
-            for n in self.diag_names:
-                size = self.lin.params[n].numel()
-                out[n] = Ud[:, start:start + size].reshape(K, *self.lin.params[n].shape)
-                start += size
-            if len(cache) > 64:
-                cache.clear()
-            cache[tau] = {n: out[n].to(self.lin.dtype) for n in self.lin.names}
-        return cache[tau]
-
     def _rotated_dirs(self, tau, dtype):
         """``[Q ; Sigma_unit Q^T]`` in the Kronecker eigenbases, per block ``(2K, out,
         in')`` and on the diagonal parameters ``(2K, p_diag)``, in ``dtype`` (cached
@@ -518,6 +412,35 @@ class KFACComplement:
                 cache.clear()
             cache[key] = (blocks, diag)
         return cache[key]
+
+    def _feature_dirs(self, features, tau, dtype):
+        """``([V ; Sigma_unit Q^T] per block (K + K', out, in'), on the diagonal
+        parameters (K + K', p_diag)), K)``: the features' directions ``V`` (their
+        tangents) and, when a span is kept, ``Sigma_unit Q^T``, in the Kronecker
+        eigenbases and ``dtype`` (cached per features object, ``tau`` and ``dtype``):
+        their products with a prediction's rotated row blocks are ``phi = J(x) V^T``
+        and ``j^T Sigma_unit Q^T`` (:meth:`features_and_covariance`)."""
+        T = features.tangents
+        seen = self.__dict__.get("_fdir_cache")
+        if seen is None or seen[0] is not T:
+            seen = self._fdir_cache = (T, {})
+        key = (tau, dtype)
+        if key not in seen[1]:
+            V = self.lin._tangents(T)
+            K = next(iter(V.values())).shape[0]
+            _, _, U, Ud, _ = self._pieces(tau)
+            blocks = []
+            for j, (blk, (_, Ug, _, Ua)) in enumerate(zip(self.blocks, self.eig)):
+                v = Ug.T @ blk.to_matrix(V) @ Ua  # (K, out, in'), float64
+                blocks.append((v if U is None else torch.cat([v, U[j]])).to(dtype))
+            diag = None
+            if self.diag_names:
+                vd = self._diag_matrix(V)
+                diag = (vd if Ud is None else torch.cat([vd, Ud])).to(dtype)
+            if len(seen[1]) > 8:
+                seen[1].clear()
+            seen[1][key] = ((blocks, diag), K)
+        return seen[1][key]
 
     def _is_kept_basis(self, features):
         """Whether ``features``' directions are the rows of ``Q`` (to their dtype's
@@ -580,8 +503,10 @@ class KFACComplement:
                     quad += (dt * t[:, None, :]) @ dt.transpose(1, 2)
                 if JU is not None:
                     K, o = U[j].shape[:2]
-                    tmp = (U[j].reshape(K * o, -1) @ at.T).reshape(K, o, B)  # (K, out, B)
-                    JU += dt @ tmp.permute(2, 1, 0)
+                    # (B, K, out): U_k at per point, read transposed by the batched
+                    # product (no copy of a permuted (K, out, B) layout)
+                    tmp = (at @ U[j].reshape(K * o, -1).T).view(B, K, o)
+                    JU += dt @ tmp.transpose(1, 2)
                 continue
             # the rotated row blocks, one batched product per point: (B, C, out in')
             Z = torch.bmm(dt.reshape(B, -1, dt.shape[-1]), at).reshape(B, C, -1)
@@ -664,11 +589,15 @@ class KFACComplement:
 
         The rows that give ``phi(x) = J(x) V`` are contracted from the same layer
         signals (inputs and back-propagated signals) as the complement's KFAC terms,
-        so the pass is done once. When ``V`` is the kept orthonormal basis ``Q``
-        itself (``W`` is ``None``: ELLA), the features and ``j^T Sigma Q^T`` are read
-        from the row blocks rotated into the Kronecker eigenbases, one product with
-        ``[Q; Sigma Q^T]`` there, and a convolution's row blocks are never formed in
-        the parameters' own basis.
+        so the pass is done once. The features and ``j^T Sigma Q^T`` are read from
+        the row blocks rotated into the Kronecker eigenbases (which the complement's
+        terms need anyway), one product per block with ``[V; Sigma Q^T]`` rotated
+        there: a convolution's row blocks are never formed in the parameters' own
+        basis (before, subspace Laplace's ``V`` took the rows' own pass: the
+        convolutions' row blocks were formed twice, and ``V`` and ``Sigma Q^T``
+        concatenated per chunk). When ``V`` is the kept orthonormal basis ``Q``
+        itself (``W`` is ``None``: ELLA), ``Q``'s rotation is the evidence's
+        (:meth:`_rotated`).
 
         Parameters
         ----------
@@ -710,16 +639,16 @@ class KFACComplement:
                 phis.append(P[..., :K])
                 covs.append(self._with_cross(quad, P[..., K:], P[..., :K], tau))
             return torch.cat(gs), torch.cat(phis), mult * self._psd(covs)
-        SQ = None if self.Q is None else self._sigma_q(tau)
+        # any other directions V (subspace Laplace: phi = J(x) V^T, Q = W^T V^T): V and
+        # Sigma_unit Q^T rotated into the eigenbases, the same one product per block
+        dirs, K = self._feature_dirs(features, tau, self.lin.dtype)
         for sl in _chunks(self.source, x, C):
-            rows, facs = self.source.rows_and_factors(x[sl])
-            # the features and j^T Sigma Q^T by one product of the rows
-            g, phi, *JU = features.of_rows(rows, SQ)
-            del rows
-            gs.append(g)
+            facs = self.source.factors(x[sl], dtype=self.lin.dtype)
+            quad, P = self._terms(facs, tau, joint=False, dirs=dirs)
+            phi = P[..., :K]
+            gs.append(facs[0].to(_F64))
             phis.append(phi)
-            cov = self._terms(facs, tau, joint=False, cross=False)[0]
-            covs.append(self._with_cross(cov, JU[0].to(_F64) if JU else None,
+            covs.append(self._with_cross(quad, None if self.Q is None else P[..., K:],
                                          phi if W is None else phi @ W, tau))
         return torch.cat(gs), torch.cat(phis), mult * self._psd(covs)
 
