@@ -706,13 +706,34 @@ class ClassificationKernel(RBF):
         return Kzz, R, Q, self._B(), psi_x
 
     def prior_blocks(self, psi):
-        """:meth:`diag_blocks` from the points' features ``psi`` (B, F): (B, C, C)."""
+        """Compute :meth:`diag_blocks` from the points' features.
+
+        Parameters
+        ----------
+        psi : Tensor of shape (B, F)
+            ``psi(x)`` of the points (as :meth:`step_factors` returns it).
+
+        Returns
+        -------
+        Tensor of shape (B, C, C)
+            The prior covariance blocks ``K((x_b, c), (x_b, c'))``.
+        """
         return self._diag(psi)
 
     def prior_variances(self, psi):
-        """The diagonal of :meth:`prior_blocks`, ``a B_cc (|psi|^2 / s + 1)``: (B, C).
+        """Compute the diagonal of :meth:`prior_blocks`, ``a B_cc (|psi|^2 / s + 1)``.
 
         The same numbers as the blocks' diagonal, without forming the blocks.
+
+        Parameters
+        ----------
+        psi : Tensor of shape (B, F)
+            ``psi(x)`` of the points.
+
+        Returns
+        -------
+        Tensor of shape (B, C)
+            The prior variance of each point's latent outputs.
         """
         lin = self.feature_scale * (psi * psi).sum(-1)  # (B,)
         scaled = torch.exp(self.log_amplitude) * torch.diagonal(self._B())
