@@ -282,7 +282,7 @@ class KFACComplement:
         outside = total - float(inside_trace)
         self.outside_fraction = max(outside, 0.0) / total if total > 0 else 0.0
         self.scale = 1.0 if self.outside_fraction > OUTSIDE_RTOL else 0.0
-        self._cache, self._dir_cache, self._fdir_cache = {}, {}, None
+        self._cache, self._fdir_cache = {}, None
         return self.scale
 
     # ---------------------------------------------------------------- evidence
@@ -391,52 +391,39 @@ class KFACComplement:
             cache[dtype] = [(Ug.to(dtype), Ua.to(dtype)) for _, Ug, _, Ua in self.eig]
         return cache[dtype]
 
-    def _rotated_dirs(self, tau, dtype):
-        """``[Q ; Sigma_unit Q^T]`` in the Kronecker eigenbases, per block ``(2K, out,
-        in')`` and on the diagonal parameters ``(2K, p_diag)``, in ``dtype`` (cached
-        per ``tau``): the directions whose products with a prediction's rotated row
-        blocks are ``J(x) Q^T`` (the features, when ``Q`` is their basis) and ``j^T
-        Sigma_unit Q^T`` (:meth:`features_and_covariance`)."""
-        cache = self.__dict__.setdefault("_dir_cache", {})
-        key = (tau, dtype)
-        if key not in cache:
-            W, _, U, Ud, _ = self._pieces(tau)
-            _, Qt = self._rotated()
-            K, start, blocks = len(self.Q), 0, []
-            for w, u in zip(W, U):
-                q = Qt[:, start:start + w.numel()].reshape(K, *w.shape)
-                blocks.append(torch.cat([q, u]).to(dtype))
-                start += w.numel()
-            diag = torch.cat([Qt[:, start:], Ud]).to(dtype) if self.diag_names else None
-            if len(cache) > 8:
-                cache.clear()
-            cache[key] = (blocks, diag)
-        return cache[key]
-
-    def _feature_dirs(self, features, tau, dtype):
+    def _feature_dirs(self, features, tau, dtype, kept):
         """``([V ; Sigma_unit Q^T] per block (K + K', out, in'), on the diagonal
         parameters (K + K', p_diag)), K)``: the features' directions ``V`` (their
         tangents) and, when a span is kept, ``Sigma_unit Q^T``, in the Kronecker
         eigenbases and ``dtype`` (cached per features object, ``tau`` and ``dtype``):
         their products with a prediction's rotated row blocks are ``phi = J(x) V^T``
-        and ``j^T Sigma_unit Q^T`` (:meth:`features_and_covariance`)."""
+        and ``j^T Sigma_unit Q^T`` (:meth:`features_and_covariance`). When ``V`` is the
+        kept basis ``Q`` itself (``kept``: ELLA), its rotation is the evidence's
+        (:meth:`_rotated`)."""
         T = features.tangents
         seen = self.__dict__.get("_fdir_cache")
         if seen is None or seen[0] is not T:
             seen = self._fdir_cache = (T, {})
-        key = (tau, dtype)
+        key = (tau, dtype, kept)
         if key not in seen[1]:
-            V = self.lin._tangents(T)
-            K = next(iter(V.values())).shape[0]
             _, _, U, Ud, _ = self._pieces(tau)
-            blocks = []
-            for j, (blk, (_, Ug, _, Ua)) in enumerate(zip(self.blocks, self.eig)):
-                v = Ug.T @ blk.to_matrix(V) @ Ua  # (K, out, in'), float64
-                blocks.append((v if U is None else torch.cat([v, U[j]])).to(dtype))
-            diag = None
-            if self.diag_names:
-                vd = self._diag_matrix(V)
-                diag = (vd if Ud is None else torch.cat([vd, Ud])).to(dtype)
+            if kept:
+                _, Qt = self._rotated()
+                K, start, vs = len(self.Q), 0, []
+                for blk in self.blocks:
+                    size = blk.out * blk.n_in
+                    vs.append(Qt[:, start:start + size].reshape(K, blk.out, blk.n_in))
+                    start += size
+                vd = Qt[:, start:] if self.diag_names else None
+            else:
+                V = self.lin._tangents(T)
+                K = next(iter(V.values())).shape[0]
+                vs = [Ug.T @ blk.to_matrix(V) @ Ua  # (K, out, in'), float64
+                      for blk, (_, Ug, _, Ua) in zip(self.blocks, self.eig)]
+                vd = self._diag_matrix(V) if self.diag_names else None
+            blocks = [(v if U is None else torch.cat([v, U[j]])).to(dtype)
+                      for j, v in enumerate(vs)]
+            diag = None if vd is None else (vd if Ud is None else torch.cat([vd, Ud])).to(dtype)
             if len(seen[1]) > 8:
                 seen[1].clear()
             seen[1][key] = ((blocks, diag), K)
@@ -471,7 +458,7 @@ class KFACComplement:
         sums over the blocks in float64. ``dirs``: other directions ``(per block
         (L, out, in'), diagonal (L, p_diag))`` given in the eigenbases and the factors'
         dtype, whose products ``(B, C, L)`` replace ``j^T Sigma_unit Q^T``
-        (:meth:`_rotated_dirs`)."""
+        (:meth:`_feature_dirs`)."""
         W, wd, U, Ud, _ = self._pieces(tau)
         if dirs is not None:
             U, Ud = dirs
@@ -627,21 +614,11 @@ class KFACComplement:
         gs, phis, covs = [], [], []
         C = getattr(self, "_n_out", None) or self.lin.n_outputs(x[:1])
         self._n_out = C
-        if W is None and self._is_kept_basis(features):
-            # phi = J(x) Q^T and j^T Sigma Q^T from the row blocks rotated into the
-            # Kronecker eigenbases (which the complement's terms need anyway): the
-            # blocks are never formed in the parameters' own basis
-            dirs, K = self._rotated_dirs(tau, self.lin.dtype), len(self.Q)
-            for sl in _chunks(self.source, x, C):
-                facs = self.source.factors(x[sl], dtype=self.lin.dtype)
-                quad, P = self._terms(facs, tau, joint=False, dirs=dirs)
-                gs.append(facs[0].to(_F64))
-                phis.append(P[..., :K])
-                covs.append(self._with_cross(quad, P[..., K:], P[..., :K], tau))
-            return torch.cat(gs), torch.cat(phis), mult * self._psd(covs)
-        # any other directions V (subspace Laplace: phi = J(x) V^T, Q = W^T V^T): V and
-        # Sigma_unit Q^T rotated into the eigenbases, the same one product per block
-        dirs, K = self._feature_dirs(features, tau, self.lin.dtype)
+        # phi = J(x) V^T and j^T Sigma_unit Q^T from the row blocks rotated into the
+        # Kronecker eigenbases (which the complement's terms need anyway), one product
+        # per block with [V; Sigma_unit Q^T] rotated there (subspace Laplace: Q = W^T V^T)
+        kept = W is None and self._is_kept_basis(features)
+        dirs, K = self._feature_dirs(features, tau, self.lin.dtype, kept)
         for sl in _chunks(self.source, x, C):
             facs = self.source.factors(x[sl], dtype=self.lin.dtype)
             quad, P = self._terms(facs, tau, joint=False, dirs=dirs)
