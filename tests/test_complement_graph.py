@@ -501,6 +501,55 @@ def test_shared_training_pass_equals_separate_passes(task, cnn_cases, monkeypatc
                                atol=1e-8 * float(p2.cov.abs().max()))
 
 
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_nystrom_rows_taken_from_the_training_pass(task, cnn_cases, monkeypatch):
+    """ELLA's fit on the graph backend makes the training pass first and takes the
+    Nystrom pairs' rows from its held rows (no second computation of them): the rows
+    equal those computed for the pairs (dense, float64, 1e-12), and the basis,
+    hyperparameters and predictive equal those of the pairs' own pass."""
+    from sklearn_lla._network.linearized import LinearizedNet
+    from sklearn_lla._posteriors import ella
+    from sklearn_lla._posteriors.subspace_kfac import RowCache
+
+    X, y, Xt, net = cnn_cases[task]
+    module = copy.deepcopy(net.module_).double().eval()
+    # the rows of a pass held chunk by chunk against the pairs' own rows
+    Xd = torch.as_tensor(X, dtype=torch.float64)
+    lin = LinearizedNet(module, example_input=Xd[:2])
+    assert lin.backend == "graph"
+    cache = RowCache(1 << 30)
+    for s in range(0, len(Xd), 7):
+        cache.add(lin.rows(Xd[s:s + 7]), None, None, None)
+    C = lin.n_outputs(Xd[:1])
+    rng = np.random.default_rng(0)
+    flat = rng.choice(len(Xd) * C, size=25, replace=False)
+    idx, out = flat // C, flat % C
+    held = ella.rows_of_pairs(cache.items, idx, out, lin)
+    own = lin.rows(Xd[idx], torch.as_tensor(out))
+    np.testing.assert_allclose(held.dense().numpy(), own.dense().numpy(), rtol=1e-12,
+                               atol=1e-12 * float(own.dense().abs().max()))
+    # the estimator: the held rows' path against the pairs' own pass
+    cls = ELLAClassifier if task == "classification" else ELLARegressor
+    kw = dict(device="cpu", n_nystrom=30, n_components=5, random_state=0, batch_size=16)
+    seen = []
+    orig = ella.rows_of_pairs
+    monkeypatch.setattr(ella, "rows_of_pairs", lambda *a: seen.append(1) or orig(*a))
+    first = cls(module, **kw).fit(X, y)
+    assert seen
+    monkeypatch.setattr(ella.NystromFeatures, "takes_held_rows", False)
+    apart = cls(module, **kw).fit(X, y)
+    assert len(seen) == 1
+    f1, f2 = first.posterior_.features, apart.posterior_.features
+    np.testing.assert_array_equal(f1.pairs_[0], f2.pairs_[0])
+    np.testing.assert_allclose(f1.eigvals.numpy(), f2.eigvals.numpy(), rtol=1e-10)
+    assert first.prior_variance_ == pytest.approx(apart.prior_variance_, rel=1e-8)
+    Xq = torch.as_tensor(Xt)
+    p1, p2 = first.posterior_.predict(Xq), apart.posterior_.predict(Xq)
+    for a, b in ((p1.mean, p2.mean), (p1.cov, p2.cov)):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-8,
+                                   atol=1e-8 * float(b.abs().max()))
+
+
 @pytest.mark.parametrize("T,out,n_in", [(4, 3, 50), (9, 6, 2)])
 def test_block_trace_both_ways(T, out, n_in):
     """The exact trace of a Kronecker block's rows: the Gram identity (first case) and

@@ -197,7 +197,65 @@ def _top_eigenpairs(Kt, n_components, n_params):
     return lam[:k], U[:, :k]
 
 
-def nystrom_basis(lin, data, n_nystrom, n_components, generator, chunk=4096, pairs=None):
+def rows_of_pairs(held, idx, out, lin):
+    """The Nystrom pairs' rows, taken from the training rows of every output held
+    chunk by chunk (graph backend: no row is computed a second time).
+
+    Parameters
+    ----------
+    held : list of (GraphRows, Tensor)
+        The training rows of every point and output, chunk by chunk in the order of
+        the training rows (:class:`~sklearn_lla._posteriors.subspace_kfac.RowCache`).
+    idx, out : ndarray of shape (M,)
+        The pairs' points (indices of the training rows) and outputs.
+    lin : LinearizedNet
+        The network.
+
+    Returns
+    -------
+    GraphRows
+        One row per pair (``rows_per_point = 1``), in the pairs' order.
+    """
+    from .._network.backends.graph import GraphRows
+    from .._network.structured.jacobian import LayerFactor, StructuredJacobian
+
+    first = held[0][0]
+    C, dev, M = first.rows_per_point, first.output.device, len(idx)
+    idx_t = torch.as_tensor(np.asarray(idx), dtype=torch.int64, device=dev)
+    out_t = torch.as_tensor(np.asarray(out), dtype=torch.int64, device=dev)
+    D = None if first.D is None else first.D.new_empty((M, first.D.shape[1]))
+    sj = first.factors
+    layers = [] if sj is None else sj.layers
+    deltas = [f.delta.new_empty((M, f.delta.shape[1])) for f in layers]
+    acts = [f.act.new_empty((M, f.act.shape[1])) for f in layers]
+    output = first.output.new_empty((M, first.output.shape[1]))
+    start, found = 0, 0
+    for rows, _ in held:
+        n = rows.n_points
+        m = ((idx_t >= start) & (idx_t < start + n)).nonzero().flatten()
+        if len(m):
+            p = idx_t[m] - start
+            r = p * C + out_t[m]
+            if D is not None:
+                D[m] = rows.D[r]
+            for j, f in enumerate(rows.factors.layers if layers else []):
+                deltas[j][m] = f.delta[r]
+                acts[j][m] = f.act[p]
+            output[m] = rows.output[p]
+            found += len(m)
+        start += n
+    if found != M:
+        raise RuntimeError("internal error: the held rows do not cover the Nystrom pairs")
+    factors = None
+    if layers:
+        factors = StructuredJacobian(
+            [LayerFactor(d, a, f.weight_name, f.bias_name)
+             for d, a, f in zip(deltas, acts, layers)], 1, sj.param_names, output)
+    return GraphRows(factors, D, first.dense_names, 1, lin, output)
+
+
+def nystrom_basis(lin, data, n_nystrom, n_components, generator, chunk=4096, pairs=None,
+                  held=None):
     """Draw the Nystrom pairs and build the parameter-space basis ``V``.
 
     Parameters
@@ -216,6 +274,9 @@ def nystrom_basis(lin, data, n_nystrom, n_components, generator, chunk=4096, pai
         Rows per vector-Jacobian product.
     pairs : tuple of arrays, optional
         ``(point_idx, output_idx)`` to use instead of drawing them.
+    held : list of (GraphRows, Tensor), optional
+        The training rows of every output, already computed (:func:`rows_of_pairs`):
+        the pairs' rows are taken from them.
 
     Returns
     -------
@@ -236,6 +297,10 @@ def nystrom_basis(lin, data, n_nystrom, n_components, generator, chunk=4096, pai
         else:
             flat = torch.randperm(n_pairs, generator=generator)[:n_nystrom].numpy()
         idx, out = flat // C, flat % C
+    if held is not None:
+        rows = rows_of_pairs(held, idx, out, lin)
+        lam, U = _top_eigenpairs(rows.gram(), n_components, lin.n_params)
+        return rows.vjp((U / lam.sqrt()).to(lin.dtype)), lam, (idx, out)
     Xm, _ = data.rows(idx)
     out_t = torch.as_tensor(out, device=Xm.device)
     rows = None
@@ -275,11 +340,18 @@ class NystromFeatures(Features):
         self.n_components = n_components
         self.pairs = pairs
 
-    def fit(self, lin, data):
-        """Draw the pairs and build the orthonormal basis ``V``."""
+    #: :meth:`fit` can take the Nystrom rows from the training rows of a pass already
+    #: made (:meth:`~sklearn_lla._posteriors.glm.GLMPosterior.fit`).
+    takes_held_rows = True
+
+    def fit(self, lin, data, held=None):
+        """Draw the pairs and build the orthonormal basis ``V``; ``held``: the training
+        rows of every output, chunk by chunk, to take the pairs' rows from
+        (:func:`rows_of_pairs`)."""
         self.lin = lin
         self.V, self.eigvals, self.pairs_ = nystrom_basis(
-            lin, data, self.n_nystrom, self.n_components, data.generator, pairs=self.pairs)
+            lin, data, self.n_nystrom, self.n_components, data.generator, pairs=self.pairs,
+            held=held)
         self.dim = len(self.eigvals)
         theta = lin.flat_params().double()
         self.theta_sq_norm = float(theta @ theta)

@@ -477,7 +477,9 @@ class GLMPosterior(Posterior):
     def fit(self, data: FitData) -> GLMPosterior:
         """Build the features, stream the data, choose hyperparameters, factorise."""
         lik = data.likelihood
-        feats = self.features.fit(data.lin, data)
+        held = self._training_pass_first(data)
+        feats = (self.features.fit(data.lin, data) if held is None or held[1] is None
+                 else self.features.fit(data.lin, data, held=held[1]))
         K, N = feats.dim, data.n_samples
         self._regression = lik.task == "regression"
         self._n_outputs = data.n_outputs
@@ -499,6 +501,14 @@ class GLMPosterior(Posterior):
         if self.residual_correction == "kfac":
             if not supports_kfac_complement(data.lin):
                 self.residual_correction = False
+            elif held is not None:  # the pass made before the features (ELLA)
+                self.complement = KFACComplement(data.lin, data, self._kept_rows(),
+                                                 sums=held[0])
+                if held[1] is not None:  # the GGN of the features from its rows
+                    shared = [torch.zeros((K, K), dtype=torch.float64, device=data.device),
+                              0.0, 0]
+                    for rows, y in held[1]:
+                        _ggn_of_rows(feats, lik, rows, None, y, shared)
             elif sums is not None:  # the factors already summed: the GGN's pass alone
                 self.complement = KFACComplement(data.lin, data, self._kept_rows(), sums=sums)
             elif (not self.early_stopping and feats.tangents is not None
@@ -535,6 +545,37 @@ class GLMPosterior(Posterior):
         self.hyper_strategy = result.strategy
         self.hyper_trace = result.trace
         return self
+
+    def _training_pass_first(self, data):
+        """``(KFAC factor sums, training rows)`` of one pass over the training rows
+        made before the features are built, when the features take rows from it
+        (:attr:`~sklearn_lla._posteriors.ella.NystromFeatures.takes_held_rows`: ELLA's
+        Nystrom rows are training rows), else ``None``.
+
+        Only with the KFAC complement on layer factors that share the rows' pass
+        (graph backend), in-memory data and all training rows within
+        :data:`~sklearn_lla._posteriors.subspace_kfac.ROW_CACHE_ELEMENTS`: the pass's
+        rows (every output) are held, the features take their rows from them and the
+        GGN of the features is read from them afterwards, so no row is computed twice
+        (before, the ``M`` Nystrom rows were a pass of their own). The rows are those
+        of :func:`~sklearn_lla._posteriors.complement.kfac_and_rows_pass`, the factor
+        sums the same; the random stream is not touched by the pass. ``rows`` is
+        ``None`` if they did not fit after all (then the features' own passes).
+        """
+        if not (self.residual_correction == "kfac" and not self.early_stopping
+                and getattr(self.features, "takes_held_rows", False)
+                and supports_kfac_complement(data.lin) and not data.is_dask
+                and getattr(layer_factors(data.lin), "shares_rows", False)):
+            return None
+        from .subspace_kfac import ROW_CACHE_ELEMENTS, RowCache, _fit_rows
+
+        if not _fit_rows(data.lin, data):
+            return None
+        cache = RowCache(ROW_CACHE_ELEMENTS)
+        bs = min(data.batch_size, self.features.max_batch(data.n_outputs))
+        sums = data.reduce(kfac_and_rows_pass, (data.lin, data.likelihood, cache.add, []), bs,
+                           desc=f"{self.label}: the training rows and the KFAC factors")
+        return sums, cache.items
 
     def _ggn_pass(self, data, feats, lik, bs, desc):
         """``(G, fit statistic, n_rows)`` of the features over the training rows: one
