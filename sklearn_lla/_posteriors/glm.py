@@ -71,6 +71,11 @@ class Features(abc.ABC):
     prior_gram = None
     n_outside = 0
 
+    #: Whether :meth:`fit` takes ``held=`` (the training rows of every output, chunk by
+    #: chunk) to read rows from instead of computing them
+    #: (:meth:`GLMPosterior._training_pass_first`).
+    takes_held_rows = False
+
     @abc.abstractmethod
     def fit(self, lin, data: FitData) -> Features:  # pragma: no cover - interface
         """Build the basis (if any) from the training data; returns ``self``."""
