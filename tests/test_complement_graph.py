@@ -543,11 +543,21 @@ def test_nystrom_rows_taken_from_the_training_pass(task, cnn_cases, monkeypatch)
     np.testing.assert_array_equal(f1.pairs_[0], f2.pairs_[0])
     np.testing.assert_allclose(f1.eigvals.numpy(), f2.eigvals.numpy(), rtol=1e-10)
     assert first.prior_variance_ == pytest.approx(apart.prior_variance_, rel=1e-8)
+    # the rows outgrow the cache during the pass: its factor sums, the features' own
+    # passes (the pairs' rows, the GGN by forward products)
+    from sklearn_lla._posteriors import subspace_kfac
+
+    monkeypatch.setattr(ella.NystromFeatures, "takes_held_rows", True)
+    monkeypatch.setattr(subspace_kfac, "RowCache", lambda budget: RowCache(10))
+    spilled = cls(module, **kw).fit(X, y)
+    assert len(seen) == 1
     Xq = torch.as_tensor(Xt)
     p1, p2 = first.posterior_.predict(Xq), apart.posterior_.predict(Xq)
-    for a, b in ((p1.mean, p2.mean), (p1.cov, p2.cov)):
-        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-8,
-                                   atol=1e-8 * float(b.abs().max()))
+    p3 = spilled.posterior_.predict(Xq)
+    for a, b, c in ((p1.mean, p2.mean, p3.mean), (p1.cov, p2.cov, p3.cov)):
+        for u in (a, c):
+            np.testing.assert_allclose(u.numpy(), b.numpy(), rtol=1e-8,
+                                       atol=1e-8 * float(b.abs().max()))
 
 
 @pytest.mark.parametrize("T,out,n_in", [(4, 3, 50), (9, 6, 2)])
