@@ -67,7 +67,7 @@ from .kfac_layers import (  # the factors' row sums (_block_trace: tests)
     supports_layer_factors,
 )
 
-__all__ = ["KFACComplement", "supports_kfac_complement", "OUTSIDE_RTOL",
+__all__ = ["KFACComplement", "supports_kfac_complement", "training_rows_cache", "OUTSIDE_RTOL",
            "DiagonalComplement", "row_subset", "weighted_sq_norms", "mixed_sq_colsum"]
 
 _F64 = torch.float64
@@ -151,6 +151,34 @@ def kfac_and_rows_pass(payload, batches):
             del rows
             sums.add(facs, D, min(sl.stop, x.shape[0]) - sl.start, x, trace=tr)
     return (*sums.result(), *state)
+
+
+def training_rows_cache(data):
+    """A cache for the training rows of :func:`kfac_and_rows_pass` (every output), when
+    they can be held: for features that read rows from them instead of computing them
+    (ELLA's Nystrom rows are training rows) and for the GGN of the features afterwards,
+    so that no row is computed twice.
+
+    Only for layer factors that share the rows' pass (graph backend), in-memory data
+    and training rows within :data:`~sklearn_lla._posteriors.subspace_kfac.
+    ROW_CACHE_ELEMENTS` (the rows of one point measured).
+
+    Parameters
+    ----------
+    data : FitData
+        The training stream.
+
+    Returns
+    -------
+    RowCache or None
+        Its ``add`` is the pass's ``fn``; ``None`` when the rows cannot be held.
+    """
+    lin = data.lin
+    if data.is_dask or not getattr(layer_factors(lin), "shares_rows", False):
+        return None
+    from .subspace_kfac import ROW_CACHE_ELEMENTS, RowCache, _fit_rows
+
+    return RowCache(ROW_CACHE_ELEMENTS) if _fit_rows(lin, data) else None
 
 
 class KFACComplement:

@@ -45,7 +45,12 @@ from .._core.protocol import (
     validation_residuals,
 )
 from .._network.linearized import stack_flat
-from .complement import KFACComplement, kfac_and_rows_pass, supports_kfac_complement
+from .complement import (
+    KFACComplement,
+    kfac_and_rows_pass,
+    supports_kfac_complement,
+    training_rows_cache,
+)
 from .kfac_layers import layer_factors
 
 __all__ = ["Features", "JacobianFeatures", "ProjectionFeatures", "GLMPosterior"]
@@ -71,9 +76,7 @@ class Features(abc.ABC):
     prior_gram = None
     n_outside = 0
 
-    #: Whether :meth:`fit` takes ``held=`` (the training rows of every output, chunk by
-    #: chunk) to read rows from instead of computing them
-    #: (:meth:`GLMPosterior._training_pass_first`).
+    #: Whether :meth:`fit` takes ``held=``: training rows to read instead of computing.
     takes_held_rows = False
 
     @abc.abstractmethod
@@ -507,11 +510,9 @@ class GLMPosterior(Posterior):
             if not supports_kfac_complement(data.lin):
                 self.residual_correction = False
             elif held is not None:  # the pass made before the features (ELLA)
-                self.complement = KFACComplement(data.lin, data, self._kept_rows(),
-                                                 sums=held[0])
+                self.complement = KFACComplement(data.lin, data, self._kept_rows(), sums=held[0])
                 if held[1] is not None:  # the GGN of the features from its rows
-                    shared = [torch.zeros((K, K), dtype=torch.float64, device=data.device),
-                              0.0, 0]
+                    shared = [torch.zeros((K, K), dtype=torch.float64, device=data.device), 0.0, 0]
                     for rows, y in held[1]:
                         _ggn_of_rows(feats, lik, rows, None, y, shared)
             elif sums is not None:  # the factors already summed: the GGN's pass alone
@@ -552,31 +553,16 @@ class GLMPosterior(Posterior):
         return self
 
     def _training_pass_first(self, data):
-        """``(KFAC factor sums, training rows)`` of one pass over the training rows
-        made before the features are built, when the features take rows from it
-        (:attr:`~sklearn_lla._posteriors.ella.NystromFeatures.takes_held_rows`: ELLA's
-        Nystrom rows are training rows), else ``None``.
-
-        Only with the KFAC complement on layer factors that share the rows' pass
-        (graph backend), in-memory data and all training rows within
-        :data:`~sklearn_lla._posteriors.subspace_kfac.ROW_CACHE_ELEMENTS`: the pass's
-        rows (every output) are held, the features take their rows from them and the
-        GGN of the features is read from them afterwards, so no row is computed twice
-        (before, the ``M`` Nystrom rows were a pass of their own). The rows are those
-        of :func:`~sklearn_lla._posteriors.complement.kfac_and_rows_pass`, the factor
-        sums the same; the random stream is not touched by the pass. ``rows`` is
-        ``None`` if they did not fit after all (then the features' own passes).
-        """
+        """``(KFAC factor sums, training rows)`` of :func:`kfac_and_rows_pass` made
+        before the features, which take rows from it (:attr:`Features.takes_held_rows`:
+        ELLA's Nystrom rows), when the rows can be held (:func:`training_rows_cache`;
+        rows ``None``: they outgrew it), else ``None``. No random draws."""
         if not (self.residual_correction == "kfac" and not self.early_stopping
-                and getattr(self.features, "takes_held_rows", False)
-                and supports_kfac_complement(data.lin) and not data.is_dask
-                and getattr(layer_factors(data.lin), "shares_rows", False)):
+                and self.features.takes_held_rows and supports_kfac_complement(data.lin)):
             return None
-        from .subspace_kfac import ROW_CACHE_ELEMENTS, RowCache, _fit_rows
-
-        if not _fit_rows(data.lin, data):
+        cache = training_rows_cache(data)
+        if cache is None:
             return None
-        cache = RowCache(ROW_CACHE_ELEMENTS)
         bs = min(data.batch_size, self.features.max_batch(data.n_outputs))
         sums = data.reduce(kfac_and_rows_pass, (data.lin, data.likelihood, cache.add, []), bs,
                            desc=f"{self.label}: the training rows and the KFAC factors")
