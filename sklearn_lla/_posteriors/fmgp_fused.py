@@ -237,14 +237,15 @@ def _loss_and_grads(post, kernel, data, x, y, Zp, cz, L_raw, q_mu, need, consts)
         T = torch.cat([T, a[:, None]], 1)
     Kc = T.shape[1]
     B = R.shape[0]
-    Rg = _grouped(R, groups, C)  # (C, B, G)
+    Rg = _grouped(R, groups, C).contiguous()  # (C, B, G)
     diagB = torch.diagonal(Bm)
-    Qg0 = _grouped(Q, groups, C)
+    Qg0 = _grouped(Q, groups, C).contiguous()
     Qg = Qg0 * diagB[:, None, None]
     Tg = (T.reshape(C, -1, Kc) if groups is None  # (C, G, Kc)
           else torch.cat([T, T.new_zeros(1, Kc)])[groups])
     TR = torch.bmm(Rg, Tg).reshape(C, B * Kc)
-    VA = torch.addmm(torch.bmm(Qg, Tg).reshape(C, B * Kc), Bm, TR).reshape(C, B, Kc)
+    VA = torch.bmm(Qg, Tg)
+    VA.view(C, B * Kc).addmm_(Bm, TR)  # + the classes' mixing, in place
     V = VA[..., :M]  # (C, B, M): class-major, as the products give it
     h = s * (psi_x * psi_x).sum(-1) + 1.0  # (B,)
     pv = torch.exp(amp_log) * diagB[None] * h[:, None]
@@ -263,13 +264,14 @@ def _loss_and_grads(post, kernel, data, x, y, Zp, cz, L_raw, q_mu, need, consts)
         Gm = dm * (-1.0 / B)
     Gv = torch.where(var_raw >= 0, Gv, 0.0) * (-1.0 / B)
     # -- backward: the cross products, class-major (C, B, Kc) -----------------------
-    dTQ = torch.empty_like(VA)
-    torch.mul((-2.0 * Gv).T[..., None], V, out=dTQ[..., :M])
+    # (C, B, Kc) buffers are reused: VA becomes d VA, TR becomes d TR
+    dTQ = VA
+    dTQ[..., :M].mul_((-2.0 * Gv).T[..., None])
     if Gm is not None:
         dTQ[..., M] = Gm.T
-    dVc = dTQ.reshape(C, B * Kc)
+    dVc = dTQ.view(C, B * Kc)
     dBm = dVc @ TR.T  # sum_{b,k} dV[c, b, k] TR[d, b, k]
-    dTR = (Bm.T @ dVc).reshape(C, B, Kc)
+    dTR = torch.mm(Bm.T.contiguous(), dVc, out=TR).view(C, B, Kc)
     TgT = Tg.transpose(1, 2)
     dQg_s = torch.bmm(dTQ, TgT)  # d(Qg * diagB), (C, B, G)
     ddiagB = (dQg_s * Qg0).sum((1, 2))
@@ -307,19 +309,29 @@ def _loss_and_grads(post, kernel, data, x, y, Zp, cz, L_raw, q_mu, need, consts)
     GD = GKq * Kq * -0.5
     GD = GD + GD.T
     dBm = dBm + consts.reduce(dK * Kq * LD) + torch.diag(ddiagB)
-    Glin = dK * KB
-    dpsi_z = s * ((Glin + Glin.T) @ psi_z)
-    dzs = 2.0 * GD.sum(1, keepdim=True) * zs - 2.0 * (GD @ zs)
+    GDz = GD @ zs
     # -- the data side: R = Q * lin_x, Q = a RBF(x, z) ------------------------------
     Qbar = dQ + dR * linx
-    dpsi_z = dpsi_z + s * ((dR * Q).T @ psi_x)
     QbQ = Qbar * Q
     dlog_amp = dlog_amp + QbQ.sum()
-    dxs, dzs_x = _sq_backward(QbQ * -0.5, xs, zs)
-    dzs = dzs + dzs_x
-    inv_ls = torch.exp(-kernel.log_length_scale)
-    dlog_ls = -(dzs * zs).sum(0) - (dxs * xs).sum(0)
-    dZ = torch.cat([dzs * inv_ls, dpsi_z], 1)
+    GDx = QbQ * -0.5
+    GDxz = GDx @ zs
+    rows, cols = GDx.sum(1, keepdim=True), GDx.sum(0)[:, None]
+    dZ = dlog_ls = None
+    if need[5]:  # the inducing rows [z, psi]: d zs, then d z = d zs / l
+        Glin = dK * KB
+        dpsi_z = s * ((Glin + Glin.T) @ psi_z) + s * ((dR * Q).T @ psi_x)
+        dzs = (2.0 * GD.sum(1, keepdim=True) * zs - 2.0 * GDz
+               + 2.0 * cols * zs - 2.0 * (GDx.T @ xs))
+        dZ = torch.cat([dzs * torch.exp(-kernel.log_length_scale), dpsi_z], 1)
+        if need[1]:
+            dxs = 2.0 * rows * xs - 2.0 * GDxz
+            dlog_ls = -(dzs * zs).sum(0) - (dxs * xs).sum(0)
+    elif need[1]:  # d log l = -sum (d zs) zs - sum (d xs) xs, without d zs itself
+        cross = (GDxz * xs).sum(0)
+        dlog_ls = (-2.0 * ((GD.sum(1, keepdim=True) + cols) * zs * zs).sum(0)
+                   + 2.0 * (GDz * zs).sum(0) + 4.0 * cross
+                   - 2.0 * (rows * xs * xs).sum(0))
     Lb = torch.tril(kernel.L_B)
     dL_B = torch.tril((dBm + dBm.T) @ Lb)
     grads = (torch.tril(dL), dlog_ls, dlog_amp, dL_B, dq, dZ)
