@@ -174,3 +174,46 @@ def test_fused_step_runs_where_it_applies(monkeypatch, kw, fused):
     X, y = _data()
     FMGPClassifier(_net(), n_inducing=12, batch_size=60, random_state=0, **kw).fit(X, y)
     assert seen["out"] is fused
+
+
+@pytest.mark.parametrize("task,kw,want", [
+    ("classification", {}, 3.0),  # KERNEL_LR_SCALE
+    ("classification", {"kernel_lr_scale": 1.0}, None),
+    ("regression", {}, None),
+])
+def test_kernel_learning_rate_scale(monkeypatch, task, kw, want):
+    """Classification trains the kernel's hyperparameters at ``KERNEL_LR_SCALE`` times
+    the learning rate and the factor / ``q_mu`` at the learning rate; regression keeps
+    one learning rate."""
+    from sklearn_lla._posteriors.fmgp import FMGPPosterior
+
+    seen = {}
+    real = gp_mod.minimize
+
+    def fake(loss_fn, params, batches, **kw_):
+        seen["scales"] = kw_.get("lr_scales")
+        seen["kernel"] = {id(p) for p in loss_fn.__self__.kernel.parameters()}
+        seen["ids"] = [id(p) for p in params]
+        kw_.update(max_iter=1, early_stopping=False, validation=None)
+        return real(loss_fn, params, batches, **kw_)
+
+    monkeypatch.setattr(gp_mod, "minimize", fake)
+    init = FMGPPosterior.__init__
+
+    def patched(self, *a, **k):
+        init(self, *a, **{**k, **kw})
+
+    monkeypatch.setattr(FMGPPosterior, "__init__", patched)
+    X, y = _data()
+    if task == "regression":
+        from sklearn_lla import FMGPRegressor
+
+        FMGPRegressor(_net(d_out=1), n_inducing=12, batch_size=60,
+                      random_state=0).fit(X, X[:, 0])
+    else:
+        FMGPClassifier(_net(), n_inducing=12, batch_size=60, random_state=0).fit(X, y)
+    if want is None:
+        assert seen["scales"] is None
+        return
+    assert seen["scales"] == [want if i in seen["kernel"] else 1.0 for i in seen["ids"]]
+    assert seen["scales"].count(want) == len(seen["kernel"]) == 3  # log l, log a, L_B
