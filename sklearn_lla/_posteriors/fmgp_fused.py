@@ -180,6 +180,15 @@ class _Constants:
         self.same = (cz[:, None] == cz[None, :]).to(_F64)
         self.onehot = (torch.arange(C, device=dev)[:, None] == cz[None, :]).to(_F64)
         self.cz = cz
+        self._gram = None
+
+    def features_gram(self, psi_z, s, fixed):
+        """``s psi_z psi_z^T + [cz = cz']``, computed once when ``psi_z`` is not trained."""
+        if fixed and self._gram is not None:
+            return self._gram
+        gram = s * (psi_z @ psi_z.T) + self.same
+        self._gram = gram if fixed else None
+        return gram
 
     def expand(self, Bm):
         """``B[cz][:, cz]`` (M, M)."""
@@ -204,19 +213,19 @@ def _loss_and_grads(post, kernel, data, x, y, Zp, cz, L_raw, q_mu, need, consts)
     dist = kernel._dist
     s = kernel.feature_scale
     amp_log = kernel.log_amplitude
-    zs = dist.scale(z)
+    inv_ls = torch.exp(-kernel.log_length_scale)
+    zs = (z - dist.center) * inv_ls  # ``dist.scale(z)``
     zz = (zs * zs).sum(-1)
     Kq = torch.exp(amp_log - 0.5 * (zz[:, None] + zz[None, :] - 2.0 * zs @ zs.T).clamp_min(0.0))
-    linz = s * (psi_z @ psi_z.T)
+    LD = consts.features_gram(psi_z, s, fixed=not need[5])  # psi psi^T s + [cz = cz]
     Bm = kernel._B()
     C = Bm.shape[0]
     Bp = consts.expand(Bm)
-    LD = linz + consts.same
     KB = Kq * Bp
     K = KB * LD
     _, psi_x = kernel.features_(x)
     psi_x = psi_x.to(_F64)
-    xs = dist.scale(x)
+    xs = (x.to(_F64).reshape(len(x), -1) - dist.center) * inv_ls  # ``dist.scale(x)``
     Q = torch.exp(amp_log - 0.5 * ((xs * xs).sum(-1)[:, None] + zz[None, :]
                                    - 2.0 * xs @ zs.T).clamp_min(0.0))
     linx = s * (psi_x @ psi_z.T)
@@ -323,7 +332,7 @@ def _loss_and_grads(post, kernel, data, x, y, Zp, cz, L_raw, q_mu, need, consts)
         dpsi_z = s * ((Glin + Glin.T) @ psi_z) + s * ((dR * Q).T @ psi_x)
         dzs = (2.0 * GD.sum(1, keepdim=True) * zs - 2.0 * GDz
                + 2.0 * cols * zs - 2.0 * (GDx.T @ xs))
-        dZ = torch.cat([dzs * torch.exp(-kernel.log_length_scale), dpsi_z], 1)
+        dZ = torch.cat([dzs * inv_ls, dpsi_z], 1)
         if need[1]:
             dxs = 2.0 * rows * xs - 2.0 * GDxz
             dlog_ls = -(dzs * zs).sum(0) - (dxs * xs).sum(0)
