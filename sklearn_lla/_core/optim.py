@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from sklearn.exceptions import ConvergenceWarning
 
-__all__ = ["OptimResult", "Patience", "epoch_batches", "improves", "lr_factor", "minibatches",
-           "minimize"]
+__all__ = ["OptimResult", "Patience", "epoch_batches", "epoch_permutations", "improves",
+           "lr_factor", "minibatches", "minimize"]
 
 #: Named learning-rate schedules of :func:`minimize` (see :func:`lr_factor`).
 LR_SCHEDULES = ("constant", "cosine", "step")
@@ -107,10 +107,16 @@ def epoch_batches(n: int, batch_size: int, generator: torch.Generator) -> Iterat
         The rows of a batch (int64).
     """
     bs = min(int(batch_size), n)
-    while True:
-        perm = torch.randperm(n, generator=generator).numpy()
+    for perm in epoch_permutations(n, generator):
         for start in range(0, n - bs + 1, bs):
             yield perm[start:start + bs]
+
+
+def epoch_permutations(n: int, generator: torch.Generator) -> Iterator:
+    """Endless permutations of ``range(n)`` (int64 ndarrays), one per epoch, drawn from
+    ``generator``: :func:`epoch_batches` cuts each into its batches."""
+    while True:
+        yield torch.randperm(n, generator=generator).numpy()
 
 
 def lr_factor(schedule, step: int, max_iter: int, final_factor: float = 0.01) -> float:

@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from .._core.linalg import cholesky
-from .._core.optim import epoch_batches, minibatches
+from .._core.optim import epoch_permutations, minibatches
 from .._core.protocol import MINIBATCH_CACHE_ROWS
 from .fmgp_cross import FactoredObjective, class_groups, factored_batch
 from .gp import FixedMeanGPPosterior
@@ -119,6 +119,11 @@ KERNEL_LR_SCALE = 3.0
 #: the data and reads them per minibatch; beyond, every step runs the network on
 #: its minibatch (the same numbers, one forward pass per step).
 FEATURE_CACHE_BYTES = 512 * 2**20
+
+#: Rows of an epoch's permutation gathered at a time from the cached training rows
+#: (:meth:`FMGPPosterior.training_batches`): one gather per tensor for that many rows
+#: instead of one per minibatch.
+GATHER_ROWS = 8192
 
 #: A training step with :class:`~sklearn_lla.kernels.ClassificationKernel` multiplies
 #: its cross covariances in factored form (:mod:`sklearn_lla._posteriors.fmgp_cross`)
@@ -524,36 +529,44 @@ class FMGPPosterior(FixedMeanGPPosterior):
         The same draws as :func:`~sklearn_lla._core.optim.minibatches`; each batch's
         input tensor is given its rows' outputs (:meth:`_pin`), so the step runs no
         forward pass on it. Without a cache (too many rows): the plain minibatches.
+
+        When :meth:`_cache_rows` kept the inputs and targets too, the batches are read
+        from the cached tensors: up to ``MINIBATCH_CACHE_ROWS`` rows in memory the
+        stream's draws are an epoch permutation of the rows from ``generator`` cut into
+        consecutive batches (the last partial one dropped,
+        :func:`~sklearn_lla._core.optim.epoch_batches`), so the same permutations index
+        the cached tensors, which hold the very rows ``data.rows`` reads, without its
+        per-batch copy and sort; they are gathered :data:`GATHER_ROWS` rows of the
+        permutation at a time and each batch is a slice (``tests/test_fmgp_cost.py``
+        checks the batches are the stream's).
         """
         cache = getattr(self, "_row_cache", None)
         if cache is None:
             yield from minibatches(data, self.batch_size, generator)
             return
         g_all, psi_all = cache
-        for x, y, idx in self._draws(data, generator):
-            t = torch.from_numpy(idx).to(g_all.device)
-            self._pin(x, g_all[t], None if psi_all is None else psi_all[t])
-            yield x, y
-
-    def _draws(self, data, generator):
-        """``data.minibatches(batch_size, generator, with_index=True)``, read from the
-        cached inputs and targets when :meth:`_cache_rows` kept them.
-
-        Up to ``MINIBATCH_CACHE_ROWS`` rows in memory the stream's draws are an epoch
-        permutation of the rows from ``generator``, in consecutive batches (the last
-        partial one dropped, :func:`~sklearn_lla._core.optim.epoch_batches`): the same
-        permutations index the cached tensors, which
-        hold the very rows ``data.rows`` reads, without its per-batch copy and sort
-        (``tests/test_fmgp_cost.py`` checks the batches are the stream's).
-        """
         xy = getattr(self, "_xy_cache", None)
         if xy is None:
-            yield from data.minibatches(self.batch_size, generator, with_index=True)
+            for x, y, idx in data.minibatches(self.batch_size, generator, with_index=True):
+                t = torch.from_numpy(idx).to(g_all.device)
+                self._pin(x, g_all[t], None if psi_all is None else psi_all[t])
+                yield x, y
             return
         x_all, y_all = xy
-        for sel in epoch_batches(data.n_samples, self.batch_size, generator):
-            t = torch.from_numpy(sel)
-            yield x_all[t.to(x_all.device)], y_all[t.to(y_all.device)], sel
+        n = data.n_samples
+        bs = min(int(self.batch_size), n)
+        chunk = max(1, GATHER_ROWS // bs) * bs
+        full = n - n % bs  # the rows of the epoch's whole batches
+        for perm in epoch_permutations(n, generator):
+            for lo in range(0, full, chunk):
+                t = torch.from_numpy(perm[lo:min(lo + chunk, full)])
+                parts = [a[t.to(a.device)] for a in (x_all, y_all, g_all)]
+                if psi_all is not None:
+                    parts.append(psi_all[t.to(psi_all.device)])
+                for start in range(0, len(t), bs):
+                    x, y, g, *psi = (a[start:start + bs] for a in parts)
+                    self._pin(x, g, psi[0] if psi else None)
+                    yield x, y
 
     def _pin(self, x, g, psi):
         self._pinned = (weakref.ref(x), x._version, g)
