@@ -272,7 +272,9 @@ class FMGPClassifier(_FMGPMixin, LaplaceClassifierMixin):
     alpha : float, default=1.0
         The alpha of the energy.
     learning_rate : float, default=0.01
-        Adam's learning rate.
+        Adam's learning rate (of the variational factor and ``Q*``'s mean; the
+        kernel's hyperparameters train at
+        :data:`~sklearn_lla._posteriors.fmgp.KERNEL_LR_SCALE` times it).
     max_iter : int, default=5000
         Largest number of Adam steps.
     batch_size : int, default=100

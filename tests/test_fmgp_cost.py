@@ -244,13 +244,16 @@ def test_factored_steps_give_the_dense_steps_losses_and_gradients(monkeypatch, k
     np.testing.assert_allclose(fe.predict_proba(Xq), de.predict_proba(Xq), rtol=1e-8)
 
 
-@pytest.mark.parametrize("budget", [None, 0])
-def test_training_batches_are_the_streams_minibatches(monkeypatch, budget):
+@pytest.mark.parametrize("budget,gather", [(None, None), (None, 120), (0, None)])
+def test_training_batches_are_the_streams_minibatches(monkeypatch, budget, gather):
     """With the cache, the loop's batches come from the cached inputs and targets: the
     very batches (values and order) of ``data.minibatches`` from the same generator
-    state, over several epochs; without (``FEATURE_CACHE_BYTES = 0``) the stream's."""
+    state, over several epochs, also gathered in several chunks an epoch
+    (``GATHER_ROWS``); without (``FEATURE_CACHE_BYTES = 0``) the stream's."""
     if budget is not None:
         monkeypatch.setattr(fmgp_mod, "FEATURE_CACHE_BYTES", budget)
+    if gather is not None:
+        monkeypatch.setattr(fmgp_mod, "GATHER_ROWS", gather)
     real = gp_mod.minimize
     seen = {}
 

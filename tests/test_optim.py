@@ -145,6 +145,26 @@ def test_schedule_sets_the_learning_rate_of_each_step():
         _displacement("exponential")
 
 
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")  # a linear loss
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_lr_scales_set_each_tensors_learning_rate(schedule, fused):
+    """``lr_scales`` multiply the learning rate per tensor (with the schedule on top):
+    on the linear loss each tensor moves by its own ``scale * lr_t`` per step."""
+    n, lr = 30, 0.1
+    d = _data(40)
+    w = [torch.zeros(k, dtype=torch.float64, requires_grad=True) for k in (1, 2, 3)]
+    minimize(lambda b: sum(t.sum() for t in w), w,
+             minibatches(d, 8, torch.Generator().manual_seed(0)), max_iter=n, lr=lr,
+             lr_schedule=schedule, fused=fused, lr_scales=[1.0, 3.0, 1.0])
+    base = lr * sum(lr_factor(schedule, s, n) for s in range(1, n + 1))
+    for t, f in zip(w, (1.0, 3.0, 1.0)):
+        np.testing.assert_allclose(-t.detach().numpy(), f * base, rtol=1e-6)
+    with pytest.raises(ValueError, match="lr_scales"):
+        minimize(lambda b: w[0].sum(), w[:1], minibatches(d, 8, torch.Generator()),
+                 max_iter=1, lr_scales=[1.0, 2.0])
+
+
 @pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
 def test_cosine_decay_settles_below_the_minibatch_noise_floor():
     # Minibatch least squares with a large learning rate: a constant rate hovers around

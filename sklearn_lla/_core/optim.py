@@ -33,7 +33,8 @@ import numpy as np
 import torch
 from sklearn.exceptions import ConvergenceWarning
 
-__all__ = ["OptimResult", "Patience", "improves", "lr_factor", "minibatches", "minimize"]
+__all__ = ["OptimResult", "Patience", "epoch_batches", "epoch_permutations", "improves",
+           "lr_factor", "minibatches", "minimize"]
 
 #: Named learning-rate schedules of :func:`minimize` (see :func:`lr_factor`).
 LR_SCHEDULES = ("constant", "cosine", "step")
@@ -87,12 +88,35 @@ def minibatches(data, batch_size: int, generator: torch.Generator) -> Iterator:
     if hasattr(data, "minibatches"):
         yield from data.minibatches(batch_size, generator)
         return
-    n = data.n_samples
+    for sel in epoch_batches(data.n_samples, batch_size, generator):
+        yield data.rows(sel)
+
+
+def epoch_batches(n: int, batch_size: int, generator: torch.Generator) -> Iterator:
+    """Endless minibatch row indices: each epoch a permutation of ``range(n)`` drawn from
+    ``generator``, cut into consecutive batches (a last partial batch dropped).
+
+    The draws of :func:`minibatches` (and of
+    :meth:`~sklearn_lla._core.protocol.FitData.minibatches` up to
+    ``MINIBATCH_CACHE_ROWS`` rows), for callers that index cached tensors themselves
+    (FMGP's training rows).
+
+    Yields
+    ------
+    ndarray of shape (min(batch_size, n),)
+        The rows of a batch (int64).
+    """
     bs = min(int(batch_size), n)
-    while True:
-        perm = torch.randperm(n, generator=generator).numpy()
+    for perm in epoch_permutations(n, generator):
         for start in range(0, n - bs + 1, bs):
-            yield data.rows(perm[start:start + bs])
+            yield perm[start:start + bs]
+
+
+def epoch_permutations(n: int, generator: torch.Generator) -> Iterator:
+    """Endless permutations of ``range(n)`` (int64 ndarrays), one per epoch, drawn from
+    ``generator``: :func:`epoch_batches` cuts each into its batches."""
+    while True:
+        yield torch.randperm(n, generator=generator).numpy()
 
 
 def lr_factor(schedule, step: int, max_iter: int, final_factor: float = 0.01) -> float:
@@ -244,7 +268,8 @@ def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: in
              n_iter_no_change: int = 5, tol: float = 0.0, progress_tol: float = 0.0,
              n_iter_no_progress: int | None = None, check_start: bool = False,
              verbose: int = 0, desc: str = "optimising", lr_schedule="constant",
-             final_lr_factor: float = 0.01, fused: bool = False) -> OptimResult:
+             final_lr_factor: float = 0.01, fused: bool = False,
+             lr_scales: list | None = None) -> OptimResult:
     """Minimise ``loss_fn(batch)`` over ``params`` with Adam.
 
     Parameters
@@ -304,6 +329,9 @@ def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: in
         Run torch's fused Adam kernel (one pass over every tensor instead of a dozen
         operations per tensor: the same update up to float round-off). For loops of
         many cheap steps over several small tensors (FMGP).
+    lr_scales : list of float or None, default=None
+        A multiplier of ``lr`` per tensor of ``params`` (Adam's parameter groups, one
+        per distinct value); ``None``: ``lr`` for every tensor.
 
     Returns
     -------
@@ -315,7 +343,15 @@ def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: in
         raise ValueError(f"validation must be a callable, 'loss' or None, got {validation!r}")
     if tol < 0 or not math.isfinite(tol):
         raise ValueError(f"tol must be a finite number >= 0, got {tol!r}")
-    opt = torch.optim.Adam(params, lr=lr, **({"fused": True} if fused else {}))
+    groups = params
+    if lr_scales is not None:
+        if len(lr_scales) != len(params):
+            raise ValueError(f"lr_scales has {len(lr_scales)} entries for {len(params)} tensors")
+        by_scale = {}
+        for p, f in zip(params, lr_scales):
+            by_scale.setdefault(float(f), []).append(p)
+        groups = [{"params": ps, "lr": lr * f, "lr_scale": f} for f, ps in by_scale.items()]
+    opt = torch.optim.Adam(groups, lr=lr, **({"fused": True} if fused else {}))
     res = OptimResult(monitor="none" if validation is None else
                       "loss" if on_loss else "validation")
     patience = Patience(n_iter_no_change, tol, progress_tol=progress_tol,
@@ -348,7 +384,8 @@ def minimize(loss_fn: Callable, params: list, batches: Iterator, *, max_iter: in
             batch = next(batches)
             if lr_schedule != "constant":
                 for group in opt.param_groups:
-                    group["lr"] = lr * lr_factor(lr_schedule, step, max_iter, final_lr_factor)
+                    group["lr"] = lr * group.get("lr_scale", 1.0) * lr_factor(
+                        lr_schedule, step, max_iter, final_lr_factor)
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(batch)
             if not bool(torch.isfinite(loss)):

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from . import fmgp_fused
+from .fmgp_fused import fused_applies, fused_loss
 from .gp import _VariationalObjective
 from .gp_algebra import variational_terms
 from .kernels import ClassificationKernel
@@ -181,12 +183,15 @@ class FactoredObjective(_VariationalObjective):
         k = self.kernel
         self.lean = (self.diagonal and not self.subspace and not self.regression
                      and type(k) is ClassificationKernel and k.delta in ("class", "input"))
+        self.fused = self.lean and fused_applies(self.post, self, self.elik)
 
     def loss(self, batch):
         """The minibatch objective (a differentiable scalar)."""
         # the posterior's class groups are set by its ``start`` (False: not factored)
         if not self.lean or getattr(self.post, "_groups", False) is False:
             return super().loss(batch)
+        if self.fused and fmgp_fused.FUSED_STEPS:
+            return fused_loss(self.post, self, batch)
         from .fmgp import _qstar_weights
 
         post, data, kernel = self.post, self.data, self.kernel

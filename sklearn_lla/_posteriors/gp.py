@@ -441,6 +441,11 @@ class FixedMeanGPPosterior(Posterior):
         """
         return _VariationalObjective(self, data, kernel, Z, cz, L_raw, log_noise, fixed_noise)
 
+    def learning_rate_scales(self, params, kernel):
+        """Multipliers of ``learning_rate`` per trained tensor (a hook; default ``None``:
+        one learning rate). FMGP's classification scales the kernel's."""
+        return None
+
     def extra_parameters(self) -> list:
         """Further trainable tensors of :meth:`extra_loss` (created in :meth:`make_kernel`)."""
         return []
@@ -582,7 +587,8 @@ class FixedMeanGPPosterior(Posterior):
                        progress_tol=self.progress_tol,
                        n_iter_no_progress=self.n_iter_no_progress,
                        check_start=callable(validation), verbose=data.verbose,
-                       desc=f"{self._display_name()}: fitting", fused=self.fused_adam)
+                       desc=f"{self._display_name()}: fitting", fused=self.fused_adam,
+                       lr_scales=self.learning_rate_scales(params, kernel))
         # -- publish -----------------------------------------------------------------------
         self.freeze(data.lin, kernel, Z, cz, L_raw)
         self.n_iter = int(res.n_iter)
