@@ -79,20 +79,43 @@ def conv_patches(mod: nn.Module, a: Tensor) -> Tensor:
                             (0, _padding(mod)[0]), (1, mod.stride[0]))
     else:
         a2, ks, dil, pad, st = a, mod.kernel_size, mod.dilation, _padding(mod), mod.stride
-    return F.unfold(a2, ks, dilation=dil, padding=pad, stride=st).transpose(1, 2)
+    # F.unfold's result, gathered by one strided copy of a window view of the
+    # zero-padded input (the same values and layout, (B, in * kernel, L) transposed):
+    # on the CPU at one thread 2.4 x faster than F.unfold (digits CNN, 713 points,
+    # 16 x 8 x 8 inputs, 3 x 3: 5.0 vs 12.1 ms; 1 x 8 x 8: 0.44 vs 1.30 ms;
+    # ResNet-20's 16 x 32 x 32 stride-2 conv, 4 points: 0.18 vs 0.35 ms)
+    B, C = a2.shape[:2]
+    ap = F.pad(a2, (pad[1], pad[1], pad[0], pad[0])) if any(pad) else a2
+    Ho = (ap.shape[2] - dil[0] * (ks[0] - 1) - 1) // st[0] + 1
+    Wo = (ap.shape[3] - dil[1] * (ks[1] - 1) - 1) // st[1] + 1
+    sB, sC, sH, sW = ap.stride()
+    win = ap.as_strided((B, C, ks[0], ks[1], Ho, Wo),
+                        (sB, sC, dil[0] * sH, dil[1] * sW, st[0] * sH, st[1] * sW))
+    return win.reshape(B, C * ks[0] * ks[1], Ho * Wo).contiguous().transpose(1, 2)
 
 
 def layer_blocks(layer: _Layer, mod: nn.Module, a: Tensor, d: Tensor, k: int,
-                  cache: dict | None = None):
+                  cache: dict | None = None, dest: dict | None = None):
     """``(factor, dense)``: a :class:`LayerFactor` or ``{name: (n_rows, numel)}``.
 
     ``a``: the module's input ``(B, ...)``; ``d``: the signal at its output,
     ``(B * k, ...)``; ``cache``: keeps what depends on ``a`` only (unfolded patches,
-    normalised inputs) between calls for the same input.
+    normalised inputs) between calls for the same input; ``dest``: where to write
+    dense blocks, ``{name: (n_rows, numel)}`` (columns of the caller's preallocated
+    rows, any row stride, unit column stride); a block written there is returned as
+    that same tensor.
     """
     cache = {} if cache is None else cache
+    dest = {} if dest is None else dest
     B = a.shape[0]
     n_rows = d.shape[0]
+
+    def put(name, blk):
+        if name in dest:
+            dest[name].copy_(blk.reshape(dest[name].shape))
+            return dest[name]
+        return blk
+
     if isinstance(mod, nn.Linear):
         if a.ndim == 2:
             return LayerFactor(d, a, layer.weight_name, layer.bias_name), {}
@@ -101,9 +124,10 @@ def layer_blocks(layer: _Layer, mod: nn.Module, a: Tensor, d: Tensor, k: int,
         av = a.reshape(B, -1, i)
         out = {}
         if layer.weight_name:
-            out[layer.weight_name] = torch.einsum("bkto,bti->bkoi", dv, av).reshape(n_rows, o * i)
+            out[layer.weight_name] = put(layer.weight_name, torch.einsum(
+                "bkto,bti->bkoi", dv, av).reshape(n_rows, o * i))
         if layer.bias_name:
-            out[layer.bias_name] = dv.sum(2).reshape(n_rows, o)
+            out[layer.bias_name] = put(layer.bias_name, dv.sum(2).reshape(n_rows, o))
         return None, out
     out = {}
     if isinstance(mod, (nn.Conv1d, nn.Conv2d)):
@@ -114,10 +138,16 @@ def layer_blocks(layer: _Layer, mod: nn.Module, a: Tensor, d: Tensor, k: int,
             if patches is None:
                 patches = conv_patches(mod, a)
                 cache["patches"] = patches
-            gw = torch.bmm(dv.reshape(B, k * o, -1), patches)
-            out[layer.weight_name] = gw.reshape(n_rows, -1)
+            w = layer.weight_name
+            if w in dest:
+                # into the caller's rows (no block to allocate, then copy)
+                out[w] = _conv_weight_into(dv.reshape(B, k * o, -1), patches, dest[w], k)
+            else:
+                gw = torch.bmm(dv.reshape(B, k * o, -1), patches)
+                out[w] = gw.reshape(n_rows, -1)
         if layer.bias_name:
-            out[layer.bias_name] = dv.sum(-1)
+            bn = layer.bias_name
+            out[bn] = (torch.sum(dv, -1, out=dest[bn]) if bn in dest else dv.sum(-1))
         return None, out
     # BatchNorm in eval mode
     ch = d.shape[1]
@@ -129,7 +159,47 @@ def layer_blocks(layer: _Layer, mod: nn.Module, a: Tensor, d: Tensor, k: int,
             xhat = (a - mod.running_mean.view(shape)) * torch.rsqrt(
                 mod.running_var.view(shape) + mod.eps)
             cache["xhat"] = xhat
-        out[layer.weight_name] = (dv * xhat.reshape(B, 1, ch, -1)).sum(-1).reshape(n_rows, ch)
+        out[layer.weight_name] = _sum_last(dv * xhat.reshape(B, 1, ch, -1),
+                                           dest.get(layer.weight_name))
     if layer.bias_name:
-        out[layer.bias_name] = dv.sum(-1).reshape(n_rows, ch)
+        out[layer.bias_name] = _sum_last(dv, dest.get(layer.bias_name))
     return None, out
+
+
+def _sum_last(t: Tensor, dest: Tensor | None) -> Tensor:
+    """``t (B, k, ch, L)`` summed over ``L`` as ``(B * k, ch)`` rows (into ``dest``)."""
+    B, k, ch = t.shape[:3]
+    if dest is None:
+        return t.sum(-1).reshape(B * k, ch)
+    torch.sum(t, -1, out=dest.view(B, k, ch))
+    return dest
+
+
+
+def _conv_weight_into(dv: Tensor, patches: Tensor, dest: Tensor, k: int) -> Tensor:
+    """A conv layer's weight blocks ``(B * k, out * in * kernel)`` written into
+    ``dest`` (columns of preallocated rows).
+
+    ``dv``: the signals ``(B, k * out, L)``; ``patches``: ``(B, L, in * kernel)``.
+    One row per point (``k = 1``): one batched product straight into ``dest``. Several
+    rows per point: a point's ``(k * out, L) @ (L, in * kernel)`` product has no view
+    in ``dest`` (its ``k`` rows sit ``p_dense`` apart), so on the CPU each point's
+    product goes to a cache-sized buffer and is copied from there (digits CNN, conv
+    16 -> 32, 71 points, C = 10, one thread, medians of 11 alternated runs: 33.4 ms
+    per chunk of rows against 37.2 ms with one batched product for all points then
+    copied, and 34.5 ms before the blocks were written in place); elsewhere (a GPU:
+    launches) one batched product, then one copy.
+    """
+    B, ko, _ = dv.shape
+    if k == 1:
+        torch.bmm(dv, patches, out=dest.view(B, ko, -1))
+        return dest
+    Dv = dest.view(B, k, -1)
+    if dv.device.type != "cpu":
+        Dv.copy_(torch.bmm(dv, patches).view(B, k, -1))
+        return dest
+    tmp = dv.new_empty((ko, patches.shape[-1]))
+    for b in range(B):
+        torch.mm(dv[b], patches[b], out=tmp)
+        Dv[b].copy_(tmp.view(k, -1))
+    return dest
