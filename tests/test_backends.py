@@ -311,6 +311,42 @@ def test_kernel_computes_each_row_once_per_panel(monkeypatch):
     assert len(calls) == 7 + 4 * 2  # X1 chunks once; X2's 2 chunks once per panel (4)
 
 
+@pytest.mark.parametrize("panel", ["one row", "a few rows", "all rows"])
+def test_graph_kernel_panels_do_not_change_the_gram(monkeypatch, panel):
+    """The graph backend's panelled Gram: any panel budget (one row a panel, a few,
+    all) gives the dense Gram to 1e-12 in float64, each row of ``X1`` is made once, and
+    with ``X2=None`` the rows after a panel once per panel before them."""
+    from sklearn_lla._network.backends import graph
+
+    net, x = _make("conv2d", F64)
+    x = torch.cat([x, 0.5 * x, -x, x + 0.1])  # 20 points
+    lin = LinearizedNet(net, example_input=x)
+    backend = lin.jacobian_backend
+    held = backend._held
+    budget = {"one row": 8 * held, "a few rows": 16 * held, "all rows": 2**28}[panel]
+    monkeypatch.setattr(graph, "KERNEL_PANEL_ELEMENTS", budget)
+    made = []
+    rows = backend.rows
+    monkeypatch.setattr(backend, "rows", lambda x, o=None, *a, **k: made.append(x.shape[0])
+                        or rows(x, o, *a, **k))
+    J = dense_jacobian(net, x)
+    B, C, P = J.shape
+    idx = torch.arange(B) % C
+    Ji = J[torch.arange(B), idx]
+    _close(lin.kernel(x, out1=idx), Ji @ Ji.T, 1e-12)
+    p1 = {"one row": 7, "a few rows": 14, "all rows": B}[panel]
+    panels = range(0, B, min(p1, B))
+    assert sum(made) == B + sum(max(0, B - a - p1) for a in panels)
+    Jf = J.reshape(B * C, P)
+    _close(lin.kernel(x, n_outputs=C), Jf @ Jf.T, 1e-12)
+    x2 = x[:7] - 0.2
+    J2 = dense_jacobian(net, x2)
+    made.clear()
+    _close(lin.kernel(x, x2, out1=idx, out2=idx[:7]),
+           Ji @ J2[torch.arange(7), idx[:7]].T, 1e-12)
+    assert sum(made) == B + 7 * len(panels)
+
+
 def test_check_on_one_output_per_row_for_large_nets(monkeypatch):
     """Beyond CHECK_ELEMENTS the construction check compares one selected output per
     example row (O(P) memory); it still tells a supported graph from a wrong one."""
