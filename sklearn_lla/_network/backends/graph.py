@@ -68,6 +68,20 @@ CHUNK_ELEMENTS = 2**25
 #: by the allocator instead of mapped and faulted in afresh for every chunk. On the
 #: digits CNN (one thread) the 2,000 Nystrom rows took 0.17 s instead of 0.25 s, the
 #: KFAC training pass and the predictions about 15 % less.
+#:
+#: At ResNet-20 scale (P = 272,474) both rules give few points per pass (rows of all
+#: 10 outputs: 1 point per recorded pass, 4 per product chunk; one output per point:
+#: 12 and 49), and that is not where its time goes: making a point's 10 rows costs
+#: about 20 forward passes of arithmetic (the batched backward pass and the weight
+#: blocks), measured at one thread 49.5 / 47.5 / 52.9 / 60.6 ms per point with 1 / 2 /
+#: 4 / 8 points per pass (from 3 points a pass's dense block passes 32 MB), the
+#: signals alone 36 / 30 / 25 / 24 ms, and a subspace Laplace fit on 64 rows the same
+#: within its noise (10 %) with 1, 2 or 4 points per pass. The per-pass overhead
+#: matters only for one row per point (17 ms a point alone, 9 ms with 16 a pass: the
+#: rules give 12). What made the large net slow was the Gram's rows being remade for
+#: every panel of a 256 MB budget counted with the signals (about 7 times each for
+#: ELLA's 2,000 Nystrom rows): :meth:`GraphBackend.kernel` now holds panels of
+#: :data:`KERNEL_PANEL_ELEMENTS` counted in the elements a kept row holds.
 ROWS_CHUNK_ELEMENTS = 2**23
 
 #: Elements (network dtype) of the Jacobian rows :meth:`GraphBackend.kernel` keeps at
