@@ -314,8 +314,9 @@ def test_kernel_computes_each_row_once_per_panel(monkeypatch):
 @pytest.mark.parametrize("panel", ["one row", "a few rows", "all rows"])
 def test_graph_kernel_panels_do_not_change_the_gram(monkeypatch, panel):
     """The graph backend's panelled Gram: any panel budget (one row a panel, a few,
-    all) gives the dense Gram to 1e-12 in float64, each row of ``X1`` is made once, and
-    with ``X2=None`` the rows after a panel once per panel before them."""
+    all) gives the dense Gram to 1e-12 in float64; the panel side's rows are made once,
+    with ``X2=None`` the rows after a panel once per panel before them, and with
+    ``X2`` the side with fewer rows is the panel."""
     from sklearn_lla._network.backends import graph
 
     net, x = _make("conv2d", F64)
@@ -344,7 +345,11 @@ def test_graph_kernel_panels_do_not_change_the_gram(monkeypatch, panel):
     made.clear()
     _close(lin.kernel(x, x2, out1=idx, out2=idx[:7]),
            Ji @ J2[torch.arange(7), idx[:7]].T, 1e-12)
-    assert sum(made) == B + 7 * len(panels)
+    assert sum(made) == 7 + B  # the smaller side (7 points) is the panel: all made once
+    made.clear()
+    _close(lin.kernel(x2, x, out1=idx[:7], out2=idx),
+           J2[torch.arange(7), idx[:7]] @ Ji.T, 1e-12)
+    assert sum(made) == 7 + B
 
 
 @pytest.mark.parametrize("budget", ["tiny", "large"])

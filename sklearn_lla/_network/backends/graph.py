@@ -716,10 +716,12 @@ class GraphBackend(FactoredBackend):
         """The full Gram ``J(X1) J(X2)^T`` (see ``LinearizedNet.kernel``), from panels
         of rows as large as :data:`KERNEL_PANEL_ELEMENTS` allows.
 
-        A panel of ``X1``'s rows (7/8 of the budget, counted in the elements a kept
-        row holds: its dense blocks and factors, not the signals it was made from) is
-        made once, paired with itself by one ``syrk`` and with blocks of the other
-        rows (the remaining 1/8) made one at a time. Each row of ``X1`` is made once;
+        A panel of ``X1``'s rows (at most 7/8 of the budget, counted in the elements a
+        kept row holds: its dense blocks and factors, not the signals it was made
+        from) is made once, paired with itself by one ``syrk`` and with blocks of the
+        other rows (the rest of the budget) made one at a time; with ``X2`` given, the
+        side with fewer rows is the panel (a test batch against the training rows:
+        both made once when it fits). Each row of the panel side is made once;
         with ``X2=None`` the rows after a panel are made once per panel before them,
         so when all rows fit (the digits CNN's) each row is made once, and at
         P = 272k (ResNet-20, 2,000 rows of about 1.1 MB each, three panels) the
@@ -751,10 +753,14 @@ class GraphBackend(FactoredBackend):
         r1 = 1 if out1 is not None else C
         r2 = 1 if out2 is not None else C
         n1, n2 = X1.shape[0], X2.shape[0]
+        if not same and n2 * r2 < n1 * r1:  # the smaller side is the panel
+            return self.kernel(X2, X1, C, dtype, out2, out1).T.contiguous()
         budget = device_budget(KERNEL_PANEL_ELEMENTS, self.lin.device)
         held = max(1, self._held)
         p1 = max(1, (budget - budget // 8) // (r1 * held))
-        p2 = max(1, (budget // 8) // (r2 * held))
+        # the other side's blocks: the rest of the budget (each block is paired with
+        # every panel, each pairing converting the panel's columns to float64)
+        p2 = max(1, (budget - min(n1, p1) * r1 * held) // (r2 * held))
         out = torch.empty((n1 * r1, n2 * r2), dtype=dtype, device=self.lin.device)
 
         def rows(X, o, a, b):
