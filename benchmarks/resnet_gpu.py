@@ -14,7 +14,9 @@ class's template and Gaussian pixel noise of std ``--noise``. Situation (b): the
 Per method (laplace-torch 0.3's last-layer KFAC + marglik + probit when it is
 installed, the raw softmax, every registered classifier with its defaults and
 ``device``): fit and predict seconds (predict: the ``--n-test`` test images and both
-OOD sets), peak GPU memory (``torch.cuda.max_memory_allocated``), peak RSS, test
+OOD sets), the process CPU seconds of both (all threads: on a loaded machine, with
+``--threads 1``, the number to compare), peak GPU memory
+(``torch.cuda.max_memory_allocated``), peak RSS, test
 accuracy, NLL, ECE, the entropy OOD AUC on uniform-noise images and on images of 5
 classes the net never saw, and the NLL under the strongest of three Gaussian blurs.
 Each method runs under ``--timeout`` seconds (a method that runs out is reported as
@@ -24,6 +26,7 @@ Usage::
 
     python benchmarks/resnet_gpu.py [--device cuda] [--n-train 10000] [--n-test 5000]
         [--epochs 8] [--timeout 120] [--situation b|c] [--only NAME,...] [--json F]
+        [--threads N] [--phases]
     python benchmarks/resnet_gpu.py --device cpu --quick   # a smoke run on the CPU
 """
 
@@ -227,6 +230,8 @@ def main(argv=None):
                     help="weight of the other class's template in an image")
     ap.add_argument("--noise", type=float, default=0.9, help="pixel noise std")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch CPU threads (0: torch's default)")
     ap.add_argument("--phases", action="store_true",
                     help="record calls and seconds of each LinearizedNet product per method")
     args = ap.parse_args(argv)
@@ -235,6 +240,8 @@ def main(argv=None):
 
     from sklearn_lla._registry import ESTIMATORS
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.n_train, args.n_test, args.epochs = 256, 64, 1
     dev = torch.device(args.device)
@@ -318,11 +325,14 @@ def main(argv=None):
             phases.clear()
         signal.alarm(args.timeout)
         try:
+            c0 = time.process_time()
             fit_s, predict, backend = fn(None)
+            c1 = time.process_time()
             t = time.perf_counter()
             probs = [predict(X) for X in sets]
             pred_s = time.perf_counter() - t
             rec.update(fit_s=fit_s, predict_s=pred_s, backend=backend,
+                       fit_cpu_s=c1 - c0, predict_cpu_s=time.process_time() - c1,
                        **metrics(p["yte"], *probs))
         except _Timeout:
             rec["error"] = f"not finished in {args.timeout} s"
@@ -345,20 +355,23 @@ def main(argv=None):
     for r in rows:
         gpu = f"{r['gpu_gb']:.2f}" if "gpu_gb" in r else ""
         if "error" in r:
-            table.append([r["method"], r["error"], "", "", "", gpu, f"{r['rss_mb']:.0f}"]
-                         + [""] * 6)
+            table.append([r["method"], r["error"], "", "", "", "", gpu,
+                          f"{r['rss_mb']:.0f}"] + [""] * 6)
             continue
         total = r["fit_s"] + r["predict_s"]
         ratio = f"{total / ref:.1f}" if ref and total else ""
         table.append([r["method"], r["backend"], f"{r['fit_s']:.1f}", f"{r['predict_s']:.1f}",
-                      ratio, gpu, f"{r['rss_mb']:.0f}", f"{r['acc']:.3f}", f"{r['nll']:.3f}",
+                      f"{r['fit_cpu_s']:.1f} / {r['predict_cpu_s']:.1f}", ratio, gpu,
+                      f"{r['rss_mb']:.0f}", f"{r['acc']:.3f}", f"{r['nll']:.3f}",
                       f"{r['ece']:.3f}", f"{r['auc_noise']:.3f}", f"{r['auc_unseen']:.3f}",
                       f"{r['blur_nll']:.3f}"])
-    name = torch.cuda.get_device_name(dev) if cuda else "CPU"
+    name = (torch.cuda.get_device_name(dev) if cuda else
+            f"CPU, {torch.get_num_threads()} thread(s)")
     print(f"\nResNet-20, P = {P}, {len(Xtr)} training rows (net trained in {train_s:.0f} s, "
           f"{args.epochs} epochs), {args.n_test} test rows, situation ({args.situation}), "
           f"{name}\n")
-    print(markdown_table(["method", "backend", "fit s", "predict s", "x laplace-torch",
+    print(markdown_table(["method", "backend", "fit s", "predict s", "CPU s fit / predict",
+                          "x laplace-torch",
                           "peak GPU GB", "peak RSS MB", "acc", "NLL", "ECE", "AUC noise",
                           "AUC unseen", "blur NLL"], table))
     if args.json:

@@ -311,6 +311,95 @@ def test_kernel_computes_each_row_once_per_panel(monkeypatch):
     assert len(calls) == 7 + 4 * 2  # X1 chunks once; X2's 2 chunks once per panel (4)
 
 
+@pytest.mark.parametrize("panel", ["one row", "a few rows", "all rows"])
+def test_graph_kernel_panels_do_not_change_the_gram(monkeypatch, panel):
+    """The graph backend's panelled Gram: any panel budget (one row a panel, a few,
+    all) gives the dense Gram to 1e-12 in float64; the panel side's rows are made once,
+    with ``X2=None`` the rows after a panel once per panel before them, and with
+    ``X2`` the side with fewer rows is the panel."""
+    from sklearn_lla._network.backends import graph
+
+    net, x = _make("conv2d", F64)
+    x = torch.cat([x, 0.5 * x, -x, x + 0.1])  # 20 points
+    lin = LinearizedNet(net, example_input=x)
+    backend = lin.jacobian_backend
+    held = backend._held
+    budget = {"one row": 8 * held, "a few rows": 16 * held, "all rows": 2**28}[panel]
+    monkeypatch.setattr(graph, "KERNEL_PANEL_ELEMENTS", budget)
+    made = []
+    rows = backend.rows
+    monkeypatch.setattr(backend, "rows", lambda x, o=None, *a, **k: made.append(x.shape[0])
+                        or rows(x, o, *a, **k))
+    J = dense_jacobian(net, x)
+    B, C, P = J.shape
+    idx = torch.arange(B) % C
+    Ji = J[torch.arange(B), idx]
+    _close(lin.kernel(x, out1=idx), Ji @ Ji.T, 1e-12)
+    p1 = {"one row": 7, "a few rows": 14, "all rows": B}[panel]
+    panels = range(0, B, min(p1, B))
+    assert sum(made) == B + sum(max(0, B - a - p1) for a in panels)
+    Jf = J.reshape(B * C, P)
+    _close(lin.kernel(x, n_outputs=C), Jf @ Jf.T, 1e-12)
+    x2 = x[:7] - 0.2
+    J2 = dense_jacobian(net, x2)
+    made.clear()
+    _close(lin.kernel(x, x2, out1=idx, out2=idx[:7]),
+           Ji @ J2[torch.arange(7), idx[:7]].T, 1e-12)
+    assert sum(made) == 7 + B  # the smaller side (7 points) is the panel: all made once
+    made.clear()
+    _close(lin.kernel(x2, x, out1=idx[:7], out2=idx),
+           J2[torch.arange(7), idx[:7]] @ Ji.T, 1e-12)
+    assert sum(made) == 7 + B
+
+
+@pytest.mark.parametrize("budget", ["tiny", "large"])
+def test_graph_chunk_rules_do_not_change_products(monkeypatch, budget):
+    """Every chunk rule of the graph backend (points per product, per recorded pass,
+    rows per Gram panel, the float64 copy of ``cross_and_diag``) forced to its smallest
+    (one point / one row at a time, no copy) or to one chunk for everything: the
+    products equal the dense float64 reference to 1e-10."""
+    from sklearn_lla._network.backends import graph
+
+    net, x = _make("conv2d", F64)
+    x = torch.cat([x, 0.5 * x - 0.1])  # 10 points
+    lin = LinearizedNet(net, example_input=x)
+    big = budget == "large"
+    for name in ("CHUNK_ELEMENTS", "ROWS_CHUNK_ELEMENTS", "KERNEL_PANEL_ELEMENTS",
+                 "F64_COPY_ELEMENTS"):
+        monkeypatch.setattr(graph, name, 2**30 if big else 1)
+    be = lin.jacobian_backend
+    steps = (be.kernel_step(3), be.rows_step(3))
+    assert min(steps) >= x.shape[0] if big else steps == (1, 1)
+    J = dense_jacobian(net, x)
+    B, C, P = J.shape
+    Jf = J.reshape(B * C, P)
+    idx = torch.arange(B) % C
+    Ji = J[torch.arange(B), idx]
+    tol = 1e-10
+    _close(lin.rows(x).dense(), Jf, tol)
+    _close(lin.rows(x, idx).dense(), Ji, tol)
+    _close(lin.kernel(x, n_outputs=C), Jf @ Jf.T, tol)
+    _close(lin.kernel(x, out1=idx), Ji @ Ji.T, tol)
+    g = torch.Generator().manual_seed(5)
+    V = torch.randn(4, P, generator=g, dtype=F64)
+    _, jv, blocks = lin.jvp_and_ntk_diag(x, V)
+    _close(jv, torch.einsum("bcp,kp->bck", J, V), tol)
+    _close(blocks, J @ J.transpose(1, 2), tol)
+    U = torch.randn(12, B, C, generator=g, dtype=F64)  # more cotangents than outputs
+    _close(_flat(lin.vjp(x, U), lin.names), torch.einsum("bcp,kbc->kp", J, U), tol)
+    x2 = x[:4] * 0.3
+    J2 = dense_jacobian(net, x2)[torch.arange(4), idx[:4]]
+    for grad in (False, True):  # the float64 copy (no graph) and the differentiable path
+        with torch.set_grad_enabled(grad):
+            cross, blocks = lin.cross_and_diag(x, lin.rows(x2, idx[:4]), C)
+        _close(cross, (Jf @ J2.T).view(B, C, 4), tol)
+        _close(blocks, J @ J.transpose(1, 2), tol)
+    z = x2.clone().requires_grad_()
+    cross, _ = lin.cross_and_diag(x, lin.rows(z, idx[:4], differentiable=True), C)
+    assert cross.requires_grad
+    _close(cross.detach(), (Jf @ J2.T).view(B, C, 4), tol)
+
+
 def test_check_on_one_output_per_row_for_large_nets(monkeypatch):
     """Beyond CHECK_ELEMENTS the construction check compares one selected output per
     example row (O(P) memory); it still tells a supported graph from a wrong one."""

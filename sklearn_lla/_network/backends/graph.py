@@ -34,6 +34,7 @@ the generic ``torch.func`` Jacobian on the example input.
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import torch
@@ -67,7 +68,29 @@ CHUNK_ELEMENTS = 2**25
 #: by the allocator instead of mapped and faulted in afresh for every chunk. On the
 #: digits CNN (one thread) the 2,000 Nystrom rows took 0.17 s instead of 0.25 s, the
 #: KFAC training pass and the predictions about 15 % less.
+#:
+#: At ResNet-20 scale (P = 272,474) both rules give few points per pass (rows of all
+#: 10 outputs: 1 point per recorded pass, 4 per product chunk; one output per point:
+#: 12 and 49), and that is not where its time goes: making a point's 10 rows costs
+#: about 20 forward passes of arithmetic (the batched backward pass and the weight
+#: blocks), measured at one thread 49.5 / 47.5 / 52.9 / 60.6 ms per point with 1 / 2 /
+#: 4 / 8 points per pass (from 3 points a pass's dense block passes 32 MB), the
+#: signals alone 36 / 30 / 25 / 24 ms, and a subspace Laplace fit on 64 rows the same
+#: within its noise (10 %) with 1, 2 or 4 points per pass. The per-pass overhead
+#: matters only for one row per point (17 ms a point alone, 9 ms with 16 a pass: the
+#: rules give 12). What made the large net slow was the Gram's rows being remade for
+#: every panel of a 256 MB budget counted with the signals (about 7 times each for
+#: ELLA's 2,000 Nystrom rows): :meth:`GraphBackend.kernel` now holds panels of
+#: :data:`KERNEL_PANEL_ELEMENTS` counted in the elements a kept row holds.
 ROWS_CHUNK_ELEMENTS = 2**23
+
+#: Elements (network dtype) of the Jacobian rows :meth:`GraphBackend.kernel` keeps at
+#: once (1 GiB in float32): a panel of rows and the block paired with it.
+KERNEL_PANEL_ELEMENTS = 2**28
+
+#: Most elements of the float64 copy of the rows that :meth:`GraphBackend.cross_and_diag`
+#: pairs every chunk with (256 MiB).
+F64_COPY_ELEMENTS = 2**25
 
 #: Elements of the dense rows converted to float64 at once by
 #: :meth:`GraphRows.diag_blocks`.
@@ -212,13 +235,33 @@ class GraphRows(Rows):
                 res[n] = c.reshape(-1, *lin.params[n].shape)
         return {n: res[n] for n in lin.names}
 
-    def matmul(self, V: dict) -> Tensor:
+    def dense_directions(self, V: dict) -> Tensor:
+        """``V``'s entries of the dense blocks, ``(K, p_dense)`` in their dtype: what
+        :meth:`matmul` multiplies them with (made once for many chunks of rows of the
+        same network, :meth:`GraphBackend.jvp`).
+
+        Parameters
+        ----------
+        V : dict of str to Tensor of shape (K, *param_shape)
+            Missing names count as 0.
+
+        Returns
+        -------
+        Tensor of shape (K, p_dense)
+        """
+        return flat_directions(V, self.dense_names, self._dense_numels(), self.D.dtype,
+                               self.D.device)
+
+    def matmul(self, V: dict, flat: Tensor | None = None) -> Tensor:
         """``R V``.
 
         Parameters
         ----------
         V : dict of str to Tensor of shape (K, *param_shape)
             Missing names count as 0.
+        flat : Tensor of shape (K, p_dense), optional
+            :meth:`dense_directions` of ``V`` when already made (rows of the same
+            dense parameters).
 
         Returns
         -------
@@ -229,8 +272,8 @@ class GraphRows(Rows):
         if self.factors is not None and any(n in V for n in self.factors.param_names):
             out = self.factors.matmul(V)
         if self.D is not None:
-            flat = flat_directions(V, self.dense_names, self._dense_numels(), self.D.dtype,
-                                   self.D.device)
+            if flat is None:
+                flat = self.dense_directions(V)
             # (flat D^T)^T: the product with the K directions on the left is the faster
             # layout of the same GEMM (measured on CPU: 15-25 % at K = 65 to 130)
             z = (flat @ self.D.T).T
@@ -329,6 +372,7 @@ class GraphBackend(FactoredBackend):
         self._local = threading.local()
         self._cost = None  # elements per (point, row) of a product, set by build
         self._signal = 0  # elements of the back-propagated signals per row
+        self._held = None  # elements a kept row holds (dense blocks and factors)
         self._C = None  # the number of outputs, read once
 
     def __getstate__(self):  # pragma: no cover - LinearizedNet rebuilds backends
@@ -393,9 +437,12 @@ class GraphBackend(FactoredBackend):
                           f"example_input (max difference {err:.3g})")
         R = backend.rows(x2[:1])
         # per row: its dense blocks, its factors and the signals of its backward pass
-        backend._cost = (int(R.D.shape[1]) if R.D is not None else 0) + sum(
+        # per row: its dense blocks and its factors (what a kept row holds) ...
+        backend._held = (int(R.D.shape[1]) if R.D is not None else 0) + sum(
             int(f.delta.shape[1]) + int(f.act.shape[1]) for f in
-            (R.factors.layers if R.factors is not None else [])) + backend._signal
+            (R.factors.layers if R.factors is not None else []))
+        # ... and the signals of its backward pass (what making it holds besides)
+        backend._cost = backend._held + backend._signal
         kinds: dict[str, int] = {}
         for layer in layers:
             kinds[layer.kind] = kinds.get(layer.kind, 0) + 1
@@ -693,6 +740,76 @@ class GraphBackend(FactoredBackend):
         return max(1, min(self.kernel_step(rows_per_point),
                           budget // max(1, rows_per_point * self._cost)))
 
+    def kernel(self, X1: Tensor, X2: Tensor | None, C: int, dtype, out1=None,
+               out2=None) -> Tensor:
+        """The full Gram ``J(X1) J(X2)^T`` (see ``LinearizedNet.kernel``), from panels
+        of rows as large as :data:`KERNEL_PANEL_ELEMENTS` allows.
+
+        A panel of ``X1``'s rows (at most 7/8 of the budget, counted in the elements a
+        kept row holds: its dense blocks and factors, not the signals it was made
+        from) is made once, paired with itself by one ``syrk`` and with blocks of the
+        other rows (the rest of the budget) made one at a time; with ``X2`` given, the
+        side with fewer rows is the panel (a test batch against the training rows:
+        both made once when it fits). Each row of the panel side is made once;
+        with ``X2=None`` the rows after a panel are made once per panel before them,
+        so when all rows fit (the digits CNN's) each row is made once, and at
+        P = 272k (ResNet-20, 2,000 rows of about 1.1 MB each, three panels) the
+        rows are made about 1.5 times instead of about 7 times by the generic
+        chunk-pair rule, whose small Gram blocks also converted each chunk to
+        float64 once per pairing.
+
+        Parameters
+        ----------
+        X1 : Tensor of shape (n1, ...)
+        X2 : Tensor of shape (n2, ...) or None
+            ``None``: ``X1`` (and ``out1``).
+        C : int
+            Outputs per point when ``out1`` / ``out2`` is not given.
+        dtype : torch.dtype
+            The result's dtype.
+        out1, out2 : LongTensor, optional
+            One selected output per point.
+
+        Returns
+        -------
+        Tensor of shape (rows1, rows2)
+        """
+        if self._held is None:  # (not built yet: the generic rule)
+            return super().kernel(X1, X2, C, dtype, out1, out2)
+        same = X2 is None
+        if same:
+            X2, out2 = X1, out1
+        r1 = 1 if out1 is not None else C
+        r2 = 1 if out2 is not None else C
+        n1, n2 = X1.shape[0], X2.shape[0]
+        if not same and n2 * r2 < n1 * r1:  # the smaller side is the panel
+            return self.kernel(X2, X1, C, dtype, out2, out1).T.contiguous()
+        budget = device_budget(KERNEL_PANEL_ELEMENTS, self.lin.device)
+        held = max(1, self._held)
+        p1 = max(1, (budget - budget // 8) // (r1 * held))
+        # the other side's blocks: the rest of the budget (each block is paired with
+        # every panel, each pairing converting the panel's columns to float64)
+        p2 = max(1, (budget - min(n1, p1) * r1 * held) // (r2 * held))
+        out = torch.empty((n1 * r1, n2 * r2), dtype=dtype, device=self.lin.device)
+
+        def rows(X, o, a, b):
+            return self.rows(X[a:b], None if o is None else o[a:b])
+
+        with torch.no_grad():
+            for a in range(0, n1, p1):
+                b = min(a + p1, n1)
+                Ra = rows(X1, out1, a, b)
+                if same:
+                    out[a * r1:b * r1, a * r1:b * r1] = Ra.gram()
+                for c in range(b if same else 0, n2, p2):
+                    d = min(c + p2, n2)
+                    blk = Ra.gram(rows(X2, out2, c, d))
+                    out[a * r1:b * r1, c * r2:d * r2] = blk
+                    if same:
+                        out[c * r2:d * r2, a * r1:b * r1] = blk.T
+                del Ra
+        return out
+
     def ntk_diag_blocks(self, x: Tensor) -> Tensor:
         step = self.kernel_step(self._n_outputs(x))
         with torch.no_grad():
@@ -700,11 +817,32 @@ class GraphBackend(FactoredBackend):
                               for s in range(0, x.shape[0], step)])
 
     def cross_and_diag(self, x: Tensor, rows, n_outputs: int) -> tuple[Tensor, Tensor]:
+        """``(J(x) R^T, ntk_diag_blocks(x))`` chunk by chunk of ``x``.
+
+        When ``rows`` carry no autograd graph (or grad mode is off), the pairing is
+        :meth:`GraphRows.gram` (no graph) against a float64 copy of ``rows``' dense
+        blocks made once (up to :data:`F64_COPY_ELEMENTS`) instead of once per chunk
+        of ``x`` (VaLLA's fit at P = 272k: its inducing rows converted 67 times).
+
+        Parameters
+        ----------
+        x : Tensor of shape (B, ...)
+        rows : Rows
+        n_outputs : int
+
+        Returns
+        -------
+        cross : Tensor of shape (B, n_outputs, n_rows), dtype float64
+        blocks : Tensor of shape (B, n_outputs, n_outputs), dtype float64
+        """
         step = self.kernel_step(n_outputs)
+        diff = torch.is_grad_enabled() and _carries_graph(rows)
+        other = rows if diff else _with_f64_dense(rows)
         parts, blocks = [], []
         for s in range(0, x.shape[0], step):
             Fx = self.rows(x[s:s + step])
-            parts.append(Fx.cross_gram(rows).view(-1, n_outputs, rows.n_rows))
+            G = Fx.cross_gram(other) if diff else Fx.gram(other)
+            parts.append(G.view(-1, n_outputs, rows.n_rows))
             blocks.append(Fx.diag_blocks())
         return torch.cat(parts), torch.cat(blocks)
 
@@ -716,12 +854,15 @@ class GraphBackend(FactoredBackend):
             raise ValueError("tangents is empty")
         step = self.kernel_step(self._n_outputs(x))
         gs, jvs, blocks = [], [], []
+        flat, names = None, None  # the dense blocks' directions, made once
         with torch.no_grad():
             for s in range(0, x.shape[0], step):
                 R = self.rows(x[s:s + step])
                 b, C = R.output.shape
                 gs.append(R.output)
-                jvs.append(R.matmul(T).view(b, C, K))
+                if R.D is not None and R.dense_names != names:
+                    flat, names = R.dense_directions(T), R.dense_names
+                jvs.append(R.matmul(T, flat if R.D is not None else None).view(b, C, K))
                 if with_blocks:
                     blocks.append(R.diag_blocks())
         out = (torch.cat(gs), torch.cat(jvs))
@@ -745,6 +886,27 @@ class GraphBackend(FactoredBackend):
                 part = self.rows(x[s:s + step]).vjp(U)
                 res = part if res is None else {n: res[n] + part[n] for n in res}
         return res
+
+
+def _carries_graph(rows) -> bool:
+    """Whether any tensor of ``rows`` requires grad (an autograd graph to keep)."""
+    if isinstance(rows, DenseRows):
+        return rows.R.requires_grad
+    ts = [rows.D, rows.output]
+    if rows.factors is not None:
+        ts += [t for f in rows.factors.layers for t in (f.delta, f.act)]
+    return any(t is not None and t.requires_grad for t in ts)
+
+
+def _with_f64_dense(rows):
+    """``rows`` with a float64 copy of its dense blocks when they fit
+    :data:`F64_COPY_ELEMENTS` (a shallow copy; the factors are shared), else ``rows``."""
+    if (not isinstance(rows, GraphRows) or rows.D is None or rows.D.dtype == _F64
+            or rows.D.numel() > device_budget(F64_COPY_ELEMENTS, rows.D.device)):
+        return rows
+    out = copy.copy(rows)
+    out.D = rows.D.to(_F64)
+    return out
 
 
 def _cat_rows(parts: list[GraphRows], D: Tensor | None, lin) -> GraphRows:
