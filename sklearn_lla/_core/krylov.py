@@ -124,7 +124,9 @@ def nystrom_preconditioner(matvec, n: int, rank: int, generator: torch.Generator
     ----------
     matvec : callable
         ``matvec(V) -> A V`` for a block of row vectors ``V`` of shape ``(rank, n)``
-        (float64 in and out): one product with ``rank`` vectors.
+        (float64 in and out): one product with ``rank`` vectors. ``V`` is the
+        transposed view of the ``(n, rank)`` test matrix (not contiguous: no copy of
+        it is made).
     n : int
         Dimension of ``A``.
     rank : int
@@ -174,7 +176,8 @@ def nystrom_preconditioner(matvec, n: int, rank: int, generator: torch.Generator
     if fixed:
         omega = torch.cat(fixed + [omega], dim=1)
     Q, Rq = _orthonormalize(omega)
-    AQ = matvec(Q.T.contiguous()).T.to(_F64)  # (n, r)
+    del omega, fixed  # (not held during the product)
+    AQ = matvec(Q.T).T.to(_F64)  # (n, r)
     # include = Q[:, :k] Rq[:k, :k] (Rq upper triangular): A include = AQ[:, :k] Rq[:k, :k]
     products = (AQ[:, :k] @ Rq[:k, :k]).T if k else None
     nu = math.sqrt(n) * torch.finfo(_F64).eps * float(torch.linalg.norm(AQ))
@@ -246,7 +249,7 @@ def _nystrom_eig_by_gram(Y, AQ, core0, L, nu):
 
 def block_cg(op, B: torch.Tensor, X: torch.Tensor, tol: float, max_iter: int,
              precond=None, callback=None, start_product: torch.Tensor | None = None,
-             start_correction=None):
+             start_correction=None, start_residual: torch.Tensor | None = None):
     """Conjugate gradients on ``op(X) = B`` for every row, batched (one ``op`` per iteration).
 
     Parameters
@@ -277,6 +280,10 @@ def block_cg(op, B: torch.Tensor, X: torch.Tensor, tol: float, max_iter: int,
         ``start_correction(X, R) -> (X, R)``: a better start and its residuals from the
         start's, with no product (:meth:`NystromPreconditioner.galerkin`), applied
         before the first iteration.
+    start_residual : Tensor of shape (k, n), optional
+        ``B - op(X)`` at the start when already known (instead of ``start_product``):
+        used as the residual block itself and updated in place (so that a caller
+        holding it holds no extra block).
 
     Returns
     -------
@@ -295,18 +302,23 @@ def block_cg(op, B: torch.Tensor, X: torch.Tensor, tol: float, max_iter: int,
     """
     tiny = torch.finfo(_F64).tiny
     bnorm = B.norm(dim=1).clamp_min(tiny)
-    R = B - (op(X) if start_product is None else start_product)
+    if start_residual is not None:
+        R = start_residual
+    else:
+        R = B - (op(X) if start_product is None else start_product)
     if start_correction is not None:
         X, R = start_correction(X, R)
     Zr = precond(R) if precond is not None else R
-    D = Zr.clone()
     rz = (R * Zr).sum(1)
+    D = Zr.clone() if Zr is R else Zr
+    del Zr  # (blocks of (k, n) are freed as soon as they are used, none held by op)
     it, rel = 0, float((R.norm(dim=1) / bnorm).max())
     while rel > tol and it < max_iter:
         MD = op(D)
         alpha = rz / (D * MD).sum(1).clamp_min(tiny)
         X += alpha[:, None] * D
         R -= alpha[:, None] * MD
+        del MD
         it += 1
         rel = float((R.norm(dim=1) / bnorm).max())
         if not math.isfinite(rel):
@@ -317,6 +329,8 @@ def block_cg(op, B: torch.Tensor, X: torch.Tensor, tol: float, max_iter: int,
             break
         Zr = precond(R) if precond is not None else R
         rz_new = (R * Zr).sum(1)
-        D = Zr + (rz_new / rz.clamp_min(tiny))[:, None] * D
+        # Zr + beta D, in place in D (the same rounding)
+        D.mul_((rz_new / rz.clamp_min(tiny))[:, None]).add_(Zr)
+        del Zr
         rz = rz_new
     return X, it, rel, R

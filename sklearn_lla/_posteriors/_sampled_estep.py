@@ -14,7 +14,7 @@ from sklearn.exceptions import ConvergenceWarning
 from .._core.krylov import NystromPreconditioner, block_cg, nystrom_preconditioner
 from .._core.optim import minibatches, minimize
 from .._network.linearized import stack_flat
-from ._sampled_passes import BatchRows, _ggn_product_sums, products
+from ._sampled_passes import BatchRows, _ggn_product_sums, products, scaled_tangents
 
 __all__ = ["ESteps", "AUTO_ITERATIONS", "AUTO_PRECONDITIONER_RANK", "CG_MAX_BATCHES"]
 
@@ -170,7 +170,7 @@ class ESteps:
             return AUTO_ITERATIONS[self._solver(data)]
         return self.max_iter
 
-    def _e_step(self, st, data, lik, sigma, desc, max_iter=None, k=None):
+    def _e_step(self, st, data, lik, sigma, desc, max_iter=None, k=None, final=False):
         """Solve for the first ``k`` samples (all by default) and the mode at prior std
         ``sigma``; updates ``st``.
 
@@ -179,14 +179,27 @@ class ESteps:
         every ``sigma``); the mode keeps ``delta = theta_bar - theta_hat``. Samples past
         ``k`` keep their whitened coordinates too (a sample never solved stays at its
         start ``u = eps_0``).
+
+        ``final``: the fit's last E-step. Nothing after it reads the perturbations
+        (``eps_0``, ``S``) or the preconditioner's sketch: the right-hand sides are made
+        in ``S``'s storage and the sketch's test matrix is let go once used (the
+        memory of two (K, P) and two (P, r) float64 blocks during its solve).
         """
         max_iter = max_iter or self._iterations(data)
         k = self.n_posterior_samples if k is None else int(k)
         U = st.Z / st.sigma  # the start, in whitened coordinates
-        B = st.eps0[:k] + sigma * st.S[:k]  # the samples' targets u_n
-        solve = self._cg_e_step if self._solver(data) == "cg" else self._adam_e_step
-        out, U[:k] = solve(st, data, lik, sigma, desc, max_iter, U[:k], B)
-        st.Z = sigma * U
+        st.Z = None  # (made again from U below: not held during the solve)
+        if final:  # the samples' targets u_n = eps_0 + sigma S, in place in S
+            B = st.S[:k].mul_(sigma).add_(st.eps0[:k])
+            st.S = st.eps0 = None
+        else:
+            B = st.eps0[:k] + sigma * st.S[:k]  # the samples' targets u_n
+        if self._solver(data) == "cg":
+            out, U[:k] = self._cg_e_step(st, data, lik, sigma, desc, max_iter, U[:k], B,
+                                         final=final)
+        else:
+            out, U[:k] = self._adam_e_step(st, data, lik, sigma, desc, max_iter, U[:k], B)
+        st.Z = U.mul_(sigma)
         st.sigma = sigma
         return out
 
@@ -207,6 +220,19 @@ class ESteps:
             else:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         return cut
+
+    @staticmethod
+    def _ggn_times(st, data, lik, sigma, V):
+        """``G (sigma V)`` (float64, (M, P)), one data pass.
+
+        With kept rows (:class:`BatchRows`) the tangents ``sigma V`` go to the pass in
+        the network's dtype (what its products round them to anyway, made a few rows at
+        a time by :func:`scaled_tangents`): no float64 (M, P) copy of them is held.
+        """
+        dtype = data.lin.dtype if st.rows is not None else _F64
+        (D,) = data.reduce(_ggn_product_sums,
+                           (data.lin, lik, scaled_tangents(V, sigma, dtype), st.rows))
+        return D
 
     def _preconditioner(self, st, data, lik, sigma, start, rhs):
         """``(preconditioner, products)``: the Nystrom preconditioner of ``I + sigma G
@@ -232,8 +258,7 @@ class ESteps:
             rank = min(int(rank), data.n_samples * data.n_outputs, st.theta_hat.numel())
 
             def matvec(V):
-                (D,) = data.reduce(_ggn_product_sums, (data.lin, lik, V * sigma, st.rows))
-                return sigma * D
+                return self._ggn_times(st, data, lik, sigma, V).mul_(sigma)
 
             gen = torch.Generator().manual_seed(int(data.generator.initial_seed()) ^ 0x5EED)
             n = st.theta_hat.numel()
@@ -248,7 +273,7 @@ class ESteps:
         scale = float((sigma / sigma_ref).pow(2).mean()) * curv / curv_ref
         return st.precond.rescaled(scale), products
 
-    def _cg_e_step(self, st, data, lik, sigma, desc, max_iter, X, B):
+    def _cg_e_step(self, st, data, lik, sigma, desc, max_iter, X, B, final=False):
         """Conjugate gradients on ``(I + sigma G sigma) u = b``, all columns.
 
         ``G = sum_n J_n^T Lam_n J_n`` (one full data pass per iteration, all columns
@@ -258,17 +283,29 @@ class ESteps:
         side (relative); the run ends when all are, or after ``max_iter`` iterations
         (a :class:`~sklearn.exceptions.ConvergenceWarning`). ``X`` (k, P) is the
         samples' whitened start and ``B`` their right-hand sides; returns the trace and
-        the whitened samples ``u_1..u_k``, and sets the mode.
+        the whitened samples ``u_1..u_k``, and sets the mode. ``final``: see
+        :meth:`_e_step` (the sketch is let go after the Galerkin start).
         """
         if st.with_mode:
             B = torch.cat([(sigma * st.q)[None], B])
             X = torch.cat([((st.theta_hat + st.delta) / sigma)[None], X])
 
-        def op(V):
-            (D,) = data.reduce(_ggn_product_sums, (data.lin, lik, V * sigma, st.rows))
-            return V + sigma * D
+        def op(V):  # V + sigma G sigma V, in place in the product (same rounding)
+            return self._ggn_times(st, data, lik, sigma, V).mul_(sigma).add_(V)
 
         precond, products = self._preconditioner(st, data, lik, sigma, X, B)
+        R0 = None
+        if products is not None:  # B - (X + A X); the products are not held by the solve
+            R0 = B - (X + products)
+            del products
+        correction = None
+        if precond is not None:
+            def correction(X, R):
+                X, R = precond.galerkin(X, R)
+                if final:  # no later E-step starts from the sketch
+                    precond.Q = precond.AQ = precond.core = None
+                    st.precond = None
+                return X, R
         bar = data.progress(max_iter, f"{self.name}: {desc}")
 
         def progress(it, rel):
@@ -279,9 +316,7 @@ class ESteps:
         try:
             X, it, rel, R = block_cg(op, B, X, self.tol, max_iter,
                                      None if precond is None else precond.apply, progress,
-                                     start_product=None if products is None else X + products,
-                                     start_correction=None if precond is None
-                                     else precond.galerkin)
+                                     start_residual=R0, start_correction=correction)
         except FloatingPointError as exc:
             raise FloatingPointError(f"{self.name}: {desc}: {exc}") from None
         finally:

@@ -206,6 +206,21 @@ class BackendProducts:
         return part if out is None else out.add_(part)
 
 
+def scaled_tangents(V: torch.Tensor, sigma: torch.Tensor, dtype,
+                    rows: int = 8) -> torch.Tensor:
+    """``(V * sigma).to(dtype)`` for tangents ``V`` (M, P), made ``rows`` rows at a time.
+
+    The product is taken in ``V``'s dtype (float64) and rounded to ``dtype`` row block
+    by row block: the same values as the one-shot expression without its (M, P)
+    temporary in ``V``'s dtype. ``V`` may be a strided view (a transposed sketch); the
+    result is contiguous.
+    """
+    out = torch.empty(V.shape, dtype=dtype, device=V.device)
+    for i in range(0, V.shape[0], rows):
+        out[i:i + rows] = V[i:i + rows] * sigma
+    return out
+
+
 def products(lin, store: BatchRows | None):
     """``store``, or the backend's own products (:class:`BackendProducts`) without one."""
     return BackendProducts(lin) if store is None else store

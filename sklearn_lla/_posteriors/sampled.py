@@ -374,7 +374,8 @@ class SampledLLAPosterior(ESteps, Posterior):
         if self._regression:
             trace["noise_source"] = noise_source
         # final E-step at the chosen hyperparameters (perturbations rescaled, warm start)
-        res = self._e_step(st, data, lik, math.sqrt(s0) * scale, "posterior samples")
+        res = self._e_step(st, data, lik, math.sqrt(s0) * scale, "posterior samples",
+                           final=True)
         if strat.uses_held_out and fit_prior and fit_noise:
             s0, s2, lik = self._refit_scale(st, data, lik, s0, s2, trace)
         gamma = float(self._sample_statistics(st, data, lik, K, rss=False)[0].mean())
