@@ -183,3 +183,41 @@ def test_test_matrix_orthonormalisation(monkeypatch):
         assert torch.linalg.norm(Q.T @ Q - eye) < 1e-12
         assert torch.linalg.norm(Q @ R - omega) < 1e-12 * torch.linalg.norm(omega)
         assert torch.equal(R, torch.triu(R))
+
+
+def test_start_residual_is_the_start_products_run_in_place():
+    # block_cg's start_residual (B - op(X0) made by the caller) runs the same
+    # iterations as start_product, bit for bit, and is itself the residual block the
+    # solve updates (a caller holding it holds no extra block).
+    A, B = _problem()
+    n = A.shape[0]
+    M = torch.eye(n, dtype=torch.float64) + A
+    X0 = torch.randn(5, n, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    pre = nystrom_preconditioner(lambda V: V @ A, n, 20, torch.Generator().manual_seed(2))
+    Xa, ita, rela, Ra = block_cg(lambda V: V @ M, B, X0.clone(), 1e-10, 1000, pre.apply,
+                                 start_product=X0 @ M)
+    R0 = B - X0 @ M
+    Xb, itb, relb, Rb = block_cg(lambda V: V @ M, B, X0.clone(), 1e-10, 1000, pre.apply,
+                                 start_residual=R0)
+    assert ita == itb and rela == relb
+    assert torch.equal(Xa, Xb) and torch.equal(Ra, Rb) and Rb is R0
+
+
+def test_sketch_product_gets_a_view_of_the_test_matrix():
+    # The sketch passes its test matrix to matvec as Q.T (no contiguous copy); a
+    # matvec that reads it as a strided view gives the same preconditioner bit for bit.
+    A, _ = _problem()
+    n = A.shape[0]
+    seen = []
+
+    def matvec(V):
+        seen.append(V.is_contiguous())
+        return V @ A
+
+    def matvec_copy(V):
+        return V.contiguous() @ A
+
+    p1 = nystrom_preconditioner(matvec, n, 20, torch.Generator().manual_seed(2))
+    p2 = nystrom_preconditioner(matvec_copy, n, 20, torch.Generator().manual_seed(2))
+    assert seen == [False]
+    assert torch.equal(p1.U, p2.U) and torch.equal(p1.lam, p2.lam)

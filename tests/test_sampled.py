@@ -718,3 +718,42 @@ def test_cnn_classifier_galerkin_start_and_default_tol(cnn_cases, monkeypatch):
     # the same solution from either start (to the float32 products' rounding)
     vp = np.trace(_cov(plain, Xt)[1], axis1=1, axis2=2)
     np.testing.assert_allclose(vt, vp, rtol=1e-5)
+
+
+def test_scaled_tangents_equal_the_one_shot_cast():
+    # (V * sigma).to(dtype) made a few rows at a time, from a strided view too: the
+    # same values as the one-shot expression, contiguous.
+    from sklearn_lla._posteriors._sampled_passes import scaled_tangents
+
+    g = torch.Generator().manual_seed(0)
+    Q = torch.randn(301, 19, dtype=torch.float64, generator=g)
+    sigma = torch.rand(301, dtype=torch.float64, generator=g) + 0.1
+    for dtype in (torch.float32, torch.float64):
+        out = scaled_tangents(Q.T, sigma, dtype, rows=4)
+        assert out.is_contiguous() and out.dtype == dtype
+        assert torch.equal(out, (Q.T.contiguous() * sigma).to(dtype))
+
+
+def test_final_e_step_lets_go_of_the_sketch_with_the_same_samples(cnn_cases, monkeypatch):
+    # The fit's last E-step makes its right-hand sides in S's storage and drops the
+    # perturbations and the sketch's test matrix once used (peak memory on large
+    # nets): the samples are bit for bit those of an E-step that keeps them all.
+    from sklearn_lla._posteriors._sampled_estep import ESteps
+
+    X, y, _, net = cnn_cases["classification"]
+    kw = dict(n_posterior_samples=8, random_state=0, device="cpu")
+    states = []
+    e_step = ESteps._e_step
+
+    def record(self, st, *args, **kwargs):
+        out = e_step(self, st, *args, **kwargs)
+        states.append((kwargs.get("final", False), st.precond, st.S, st.eps0))
+        return out
+
+    monkeypatch.setattr(ESteps, "_e_step", record)
+    dropped = SampledLLAClassifier(net, **kw).fit(X, y)
+    assert states[-1] == (True, None, None, None)
+    monkeypatch.setattr(ESteps, "_e_step", lambda self, *a, final=False, **k:
+                        e_step(self, *a, **k))
+    kept = SampledLLAClassifier(net, **kw).fit(X, y)
+    assert torch.equal(dropped.posterior_.samples, kept.posterior_.samples)
