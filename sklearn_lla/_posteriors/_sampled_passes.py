@@ -120,6 +120,20 @@ class BatchRows:
             self._rows[i] = parts
             self.held += n
 
+    def _dense_view(self, R, T: torch.Tensor):
+        """The directions ``R``'s dense block multiplies, as columns of the flat tangents
+        ``T`` (K, P) with no copy: when ``T`` is in the block's dtype and its parameters
+        are one run of the flat layout (in order); ``None`` otherwise (``R.matmul``
+        then gathers them, once per chunk)."""
+        if R.D is None or T.dtype != R.D.dtype or not R.dense_names:
+            return None
+        names, dense = self.lin.names, R.dense_names
+        j = names.index(dense[0])
+        if names[j:j + len(dense)] != dense:
+            return None
+        a = sum(self.lin.params[n].numel() for n in names[:j])
+        return T[:, a:a + R.D.shape[1]]
+
     def output(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """The network's outputs at batch ``i`` (B, C)."""
         return torch.cat([R.output for _, R in self.chunks(i, x)])
@@ -132,11 +146,12 @@ class BatchRows:
     def jvp(self, i: int, x: torch.Tensor, T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(g, J T)`` of batch ``i`` as :meth:`LinearizedNet.jvp` for tangents ``T`` (K, P)."""
         lin, K = self.lin, T.shape[0]
-        Td = lin.unflatten(T.to(lin.dtype))
+        T = T.to(lin.dtype)
+        Td = lin.unflatten(T)
         gs, jts = [], []
         for _, R in self.chunks(i, x):
             gs.append(R.output)
-            jts.append(R.matmul(Td).view(R.n_points, -1, K))
+            jts.append(R.matmul(Td, self._dense_view(R, T)).view(R.n_points, -1, K))
         return torch.cat(gs), torch.cat(jts)
 
     def vjp(self, i: int, x: torch.Tensor, cot: torch.Tensor) -> torch.Tensor:
@@ -158,7 +173,7 @@ class BatchRows:
         Td = self.tangents(T) if Td is None else Td
         for _, R in self.chunks(i, x):
             b = R.n_points
-            jt = R.matmul(Td).view(b, -1, K)
+            jt = R.matmul(Td, self._dense_view(R, T)).view(b, -1, K)
             A = lik.lam_factor(R.output.to(_F64))
             ajt = torch.einsum("bcd,bck->bdk", A, jt.to(_F64))
             U = torch.einsum("bcd,bdk->bck", A, ajt).to(lin.dtype).reshape(-1, K)
