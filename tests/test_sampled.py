@@ -757,3 +757,29 @@ def test_final_e_step_lets_go_of_the_sketch_with_the_same_samples(cnn_cases, mon
                         e_step(self, *a, **k))
     kept = SampledLLAClassifier(net, **kw).fit(X, y)
     assert torch.equal(dropped.posterior_.samples, kept.posterior_.samples)
+
+
+def test_dense_view_of_the_flat_tangents_is_the_gathered_copy(cnn_cases, monkeypatch):
+    # Kept-row passes multiply a chunk's dense block by a view of the flat tangents
+    # (no per-chunk gather) when its parameters are one run of the flat layout: the
+    # view is used on this CNN, and the samples are bit for bit those of the gather.
+    from sklearn_lla._posteriors._sampled_passes import BatchRows
+
+    X, y, _, net = cnn_cases["classification"]
+    kw = dict(n_posterior_samples=8, random_state=0, device="cpu")
+    view = BatchRows._dense_view
+    used = []
+
+    def record(self, R, T):
+        out = view(self, R, T)
+        if out is not None:
+            assert torch.equal(out, R.dense_directions(self.lin.unflatten(T)))
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(BatchRows, "_dense_view", record)
+    a = SampledLLAClassifier(net, **kw).fit(X, y)
+    assert any(used)
+    monkeypatch.setattr(BatchRows, "_dense_view", lambda self, R, T: None)
+    b = SampledLLAClassifier(net, **kw).fit(X, y)
+    assert torch.equal(a.posterior_.samples, b.posterior_.samples)
