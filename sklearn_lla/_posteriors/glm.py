@@ -51,6 +51,7 @@ from .complement import (
     supports_kfac_complement,
     training_rows_cache,
 )
+from .glm_stats import _accumulate_batch, _batch_ggn_trace, _ggn_of_rows, ggn_statistics
 from .kfac_layers import layer_factors
 
 __all__ = ["Features", "JacobianFeatures", "ProjectionFeatures", "GLMPosterior"]
@@ -205,73 +206,6 @@ class ProjectionFeatures(Features):
         return g.double(), phi.double(), k
 
 
-def phi_lam(lik, g, phi):
-    """``A^T phi`` with ``Lam = A A^T`` (unit noise for a Gaussian likelihood)."""
-    if lik.unit_curvature:
-        return phi
-    return torch.einsum("bck,bcl->bkl", lik.lam_factor(g), phi)
-
-
-def _accumulate_batch(feats, lik, G, x, y, gphi=None):
-    """Add one batch's ``phi^T Lam phi`` to ``G``; returns (fit statistic, rows).
-    ``gphi``: the batch's ``(g, phi)`` when already computed."""
-    g, phi = feats(x) if gphi is None else gphi
-    check_finite_outputs(g, "training rows")
-    P = phi_lam(lik, g, phi)
-    if P.ndim == 3:
-        P = P.reshape(-1, G.shape[0])
-    G.addmm_(P.T, P)
-    if lik.task == "regression":
-        return float(((y - g) ** 2).sum()), g.shape[0]
-    return float(lik.log_prob(g, y).sum()), g.shape[0]
-
-
-def ggn_statistics(payload, batches):
-    """The row sums of the GLM fit over ``batches``: ``(G, fit statistic, n_rows)``.
-
-    ``G = sum_n phi_n^T Lam_n phi_n`` (float64, K x K) and the residual sum of
-    squares (regression) or log likelihood (classification). Results over
-    disjoint row sets add, so the pass runs per partition
-    (:meth:`~sklearn_lla._core.protocol.FitData.reduce`).
-
-    Parameters
-    ----------
-    payload : tuple
-        ``(features, likelihood, device)``.
-    batches : iterable of (x, y)
-
-    Returns
-    -------
-    tuple of (Tensor, float, int)
-    """
-    feats, lik, device = payload
-    G = torch.zeros((feats.dim, feats.dim), dtype=torch.float64, device=device)
-    fit_stat, n = 0.0, 0
-    for x, y in batches:
-        df, b = _accumulate_batch(feats, lik, G, x, y)
-        fit_stat += df
-        n += b
-    return G, fit_stat, n
-
-
-def _ggn_of_rows(feats, lik, rows, x, y, state):
-    """:func:`ggn_statistics`'s sums ``state = [G, fit statistic, n_rows]`` of a chunk
-    from its Jacobian rows (the pass the KFAC complement's factors share,
-    :func:`~sklearn_lla._posteriors.complement.kfac_and_rows_pass`)."""
-    df, b = _accumulate_batch(feats, lik, state[0], x, y, feats.of_rows(rows))
-    state[1] += df
-    state[2] += b
-
-
-def _batch_ggn_trace(feats, lik, x):
-    """``sum_b tr(Lam_b J_b J_b^T)`` over a batch (unit noise for a Gaussian)."""
-    K = feats.ntk_diag(x)
-    if lik.unit_curvature:
-        return float(torch.einsum("bcc->", K))
-    A = lik.lam_factor(feats.lin.forward(x).double())
-    return float(torch.einsum("bck,bcd,bdk->", A, K, A))
-
-
 def _residual_kernel(feats, W, x, phi, kdiag=None):
     """``k(x, x) - phi R^-1 phi^T`` per point: the NTK outside span(V) (C x C, symmetric).
 
@@ -389,6 +323,11 @@ class GLMPosterior(Posterior):
         The method's name in progress bars.
     """
 
+    #: During :meth:`fit` only: KFAC factor sums and the training rows of their pass
+    #: (a :class:`~sklearn_lla._posteriors.subspace_kfac.RowCache`) made before the GGN
+    #: (subspace Laplace's projector, ELLA's first pass), read instead of a pass.
+    _kfac_sums = _kfac_rows = None
+
     fitted_attributes = ("features", "prior_variance", "likelihood", "eigvals", "T", "d",
                          "complement",
                          "n_seen", "prior_scale", "hyper_strategy", "hyper_trace",
@@ -485,9 +424,10 @@ class GLMPosterior(Posterior):
     def fit(self, data: FitData) -> GLMPosterior:
         """Build the features, stream the data, choose hyperparameters, factorise."""
         lik = data.likelihood
-        held = self._training_pass_first(data)
-        feats = (self.features.fit(data.lin, data) if held is None or held[1] is None
-                 else self.features.fit(data.lin, data, held=held[1]))
+        self._training_pass_first(data)
+        feats = (self.features.fit(data.lin, data, held=self._kfac_rows.items)
+                 if self.features.takes_held_rows and self._kfac_rows is not None
+                 else self.features.fit(data.lin, data))
         K, N = feats.dim, data.n_samples
         self._regression = lik.task == "regression"
         self._n_outputs = data.n_outputs
@@ -505,16 +445,10 @@ class GLMPosterior(Posterior):
         self._W = self._whiten_map()
         self.complement = None
         shared = None
-        sums = getattr(self, "_kfac_sums", None)  # (subspace Laplace: its projector's)
+        sums = self._kfac_sums  # (subspace Laplace's projector's; ELLA's first pass)
         if self.residual_correction == "kfac":
             if not supports_kfac_complement(data.lin):
                 self.residual_correction = False
-            elif held is not None:  # the pass made before the features (ELLA)
-                self.complement = KFACComplement(data.lin, data, self._kept_rows(), sums=held[0])
-                if held[1] is not None:  # the GGN of the features from its rows
-                    shared = [torch.zeros((K, K), dtype=torch.float64, device=data.device), 0.0, 0]
-                    for rows, y in held[1]:
-                        _ggn_of_rows(feats, lik, rows, None, y, shared)
             elif sums is not None:  # the factors already summed: the GGN's pass alone
                 self.complement = KFACComplement(data.lin, data, self._kept_rows(), sums=sums)
             elif (not self.early_stopping and feats.tangents is not None
@@ -550,28 +484,38 @@ class GLMPosterior(Posterior):
         self._set_hyperparameters(lik, result.prior_variance, result.noise_variance)
         self.hyper_strategy = result.strategy
         self.hyper_trace = result.trace
+        self._kfac_sums = self._kfac_rows = None
         return self
 
     def _training_pass_first(self, data):
-        """``(KFAC factor sums, training rows)`` of :func:`kfac_and_rows_pass` made
-        before the features, which take rows from it (:attr:`Features.takes_held_rows`:
-        ELLA's Nystrom rows), when the rows can be held (:func:`training_rows_cache`;
-        rows ``None``: they outgrew it), else ``None``. No random draws."""
+        """Sets :attr:`_kfac_sums` and :attr:`_kfac_rows` from one
+        :func:`kfac_and_rows_pass` made before the features, which take rows from it
+        (:attr:`Features.takes_held_rows`: ELLA's Nystrom rows), when the rows can be
+        held (:func:`training_rows_cache`; rows ``None``: they outgrew it); else leaves
+        them. No random draws."""
         if not (self.residual_correction == "kfac" and not self.early_stopping
                 and self.features.takes_held_rows and supports_kfac_complement(data.lin)):
-            return None
+            return
         cache = training_rows_cache(data)
         if cache is None:
-            return None
+            return
         bs = min(data.batch_size, self.features.max_batch(data.n_outputs))
-        sums = data.reduce(kfac_and_rows_pass, (data.lin, data.likelihood, cache.add, []), bs,
-                           desc=f"{self.label}: the training rows and the KFAC factors")
-        return sums, cache.items
+        self._kfac_sums = data.reduce(
+            kfac_and_rows_pass, (data.lin, data.likelihood, cache.add, []), bs,
+            desc=f"{self.label}: the training rows and the KFAC factors")
+        self._kfac_rows = cache if cache.items is not None else None
 
     def _ggn_pass(self, data, feats, lik, bs, desc):
-        """``(G, fit statistic, n_rows)`` of the features over the training rows: one
-        row-sum pass (per partition on dask input)."""
-        return data.reduce(ggn_statistics, (feats, lik, data.device), bs, desc=desc)
+        """``(G, fit statistic, n_rows)`` of the features over the training rows: from
+        the rows a KFAC pass kept (:attr:`_kfac_rows`), else one row-sum pass (per
+        partition on dask input)."""
+        if self._kfac_rows is None:
+            return data.reduce(ggn_statistics, (feats, lik, data.device), bs, desc=desc)
+        state = [torch.zeros((feats.dim, feats.dim), dtype=torch.float64, device=data.device),
+                 0.0, 0]
+        for rows, y in self._kfac_rows.items:
+            _ggn_of_rows(feats, lik, rows, None, y, state)
+        return tuple(state)
 
     def _set_hyperparameters(self, lik, s0, s2):
         """Fix ``(s0^2, s2)``: the likelihood, the factor ``T diag(d) T^T`` and the evidence."""

@@ -69,7 +69,7 @@ from .._network.curvature import (
 )
 from .._network.linearized import stack_flat
 from .complement import supports_kfac_complement
-from .glm import GLMPosterior, ProjectionFeatures, _ggn_of_rows
+from .glm import GLMPosterior, ProjectionFeatures
 from .subspace_kfac import LayerKFAC
 
 __all__ = ["SubspacePosterior", "PROJECTORS", "MAX_OPTIMAL_PARAMS", "lowrank_directions",
@@ -517,7 +517,6 @@ class SubspacePosterior(GLMPosterior):
         self._kfac_ridge = (data.likelihood.task == "regression" and self._kfac_fit is not None
                             and self.prior_variance == "auto" and self.hyper == "auto")
         super().fit(data)
-        self._kfac_sums = self._kfac_rows = None
         self.residual_excess = None
         if self.residual_correction:
             self._check_residual(data, switch=residual_auto)
@@ -530,17 +529,6 @@ class SubspacePosterior(GLMPosterior):
         if self._kfac_ridge:
             self.hyper_trace["prior_variance_source"] = "kfac_evidence"
         return self
-
-    def _ggn_pass(self, data, feats, lik, bs, desc):
-        """The GGN of the features from the training rows the KFAC pass kept, else a
-        pass of its own (:meth:`GLMPosterior._ggn_pass`)."""
-        if self._kfac_rows is None:
-            return super()._ggn_pass(data, feats, lik, bs, desc)
-        state = [torch.zeros((feats.dim, feats.dim), dtype=torch.float64, device=data.device),
-                 0.0, 0]
-        for rows, y in self._kfac_rows.items:
-            _ggn_of_rows(feats, lik, rows, None, y, state)
-        return tuple(state)
 
     def _kfac_prior_at(self, s2, warn=False):
         """The KFAC evidence's prior variance at the noise variance ``s2``."""
