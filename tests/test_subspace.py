@@ -501,7 +501,14 @@ def test_kfac_of_a_float32_net_matches_float64(kind, task, request):
         np.testing.assert_allclose(b[2], a[2], rtol=1e-3, atol=1e-6 * a[2].max())
     top = a[0].max()
     np.testing.assert_allclose(b[0], a[0], rtol=1e-3, atol=1e-6 * top)
-    np.testing.assert_allclose(b[1], a[1], rtol=1e-3, atol=1e-6 * np.abs(a[1]).max())
+    # ``Psi_approx T`` is a solve: the float32 factors' round-off (eps 6e-8) is
+    # amplified by the conditioning of ``H + tau I``, and entries that are sums of
+    # cancelling terms carry it at a few 1e-5 of the largest entry. So the solve is
+    # compared column by column in norm (observed <= 9e-5 with 1 or 2 threads, whose
+    # nets and reductions differ) and entry by entry against its largest entry.
+    err = np.linalg.norm(b[1] - a[1], axis=0) / np.linalg.norm(a[1], axis=0)
+    assert err.max() <= 1e-3, err
+    np.testing.assert_allclose(b[1], a[1], rtol=1e-3, atol=1e-4 * np.abs(a[1]).max())
     np.testing.assert_allclose(b[4], a[4], rtol=1e-3, atol=1e-6 * a[4].max())
 
 
