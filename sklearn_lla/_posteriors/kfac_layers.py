@@ -166,7 +166,7 @@ class ChainFactors:
         """Points per chunk of :meth:`factors` (the chain's factors are small)."""
         return 1 << 30
 
-    def factors(self, x: Tensor, mix=None) -> tuple:
+    def factors(self, x: Tensor, mix=None, dtype=_F64) -> tuple:
         """``(g, [(a, d) per block], None)`` at ``x`` (module docstring), float64.
 
         Parameters
@@ -175,6 +175,9 @@ class ChainFactors:
         mix : callable, optional
             ``mix(g64) -> M`` ``(B, K, C)``: the rows mixed per point; default all
             ``C`` outputs' rows.
+        dtype : torch.dtype, default=torch.float64
+            The factors' dtype (the network's for the products of a prediction, as
+            :meth:`GraphFactors.factors`).
 
         Returns
         -------
@@ -183,11 +186,11 @@ class ChainFactors:
         F = self.lin.factored_jacobian(x)
         B, C = F.n_points, F.rows_per_point
         g = F.output
-        M = None if mix is None else mix(g.to(_F64))
+        M = None if mix is None else mix(g.to(_F64)).to(dtype)
         out = []
         for layer in F.layers:
-            a = _with_bias(layer.act.to(_F64), layer.has_weight, layer.has_bias)
-            d = _mix(layer.delta.to(_F64).reshape(B, C, -1), M)
+            a = _with_bias(layer.act.to(dtype), layer.has_weight, layer.has_bias)
+            d = _mix(layer.delta.to(dtype).reshape(B, C, -1), M)
             out.append((a[:, None, :], d[..., None]))
         return g, out, None
 
