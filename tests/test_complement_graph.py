@@ -573,6 +573,21 @@ def test_block_trace_both_ways(T, out, n_in):
     assert _block_trace(a, d) == pytest.approx(want, rel=1e-12)
 
 
+@pytest.mark.parametrize("T", [1, 7])
+def test_rotated_signals_equal_the_eigenbasis_product(T):
+    """``rotate_signals``: ``Ug^T d`` per row and position (one product ``d^T Ug`` for one
+    position, a batched product over the rows otherwise), against an explicit einsum."""
+    from sklearn_lla._posteriors.kfac_layers import rotate_signals
+
+    gen = torch.Generator().manual_seed(4)
+    Ug = torch.linalg.qr(torch.randn(6, 6, generator=gen, dtype=torch.float64))[0]
+    d = torch.randn(3, 5, 6, T, generator=gen, dtype=torch.float64)
+    want = torch.einsum("po,bcpt->bcot", Ug, d)
+    got = rotate_signals(Ug, d)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+
+
 def test_held_out_grid_reuses_the_factors(cnn_cases, monkeypatch):
     """With ``validation_data`` the held-out NLL of each candidate prior variance needs
     the complement at its own ``tau``: the layer factors of a validation batch are

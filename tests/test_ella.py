@@ -909,3 +909,41 @@ def test_block_lanczos_top_eigenpairs_equal_lapacks(k):
     np.testing.assert_allclose(th[:k // 2].numpy(), lam[:k // 2].numpy(), rtol=1e-10)
     flat = (Q * (1.0 + torch.rand(M, generator=gen, dtype=DT))) @ Q.T
     assert _krylov_top_eigh(flat, k) is None
+
+
+# ---------------------------------------------------------------------------------
+# 10. The KFAC complement of a float32 MLP: its prediction's factors in float32
+# ---------------------------------------------------------------------------------
+
+
+def test_complement_of_a_float32_mlp_predicts_from_float32_factors(clf, monkeypatch):
+    """A prediction's complement (``KFACComplement.covariance``) takes the chain's
+    layer factors in the network's dtype, as the graph backend's shared pass does; its
+    ``j_perp^T Sigma j_perp`` equals the one of float64 factors of the same net to
+    float32 round-off (1e-5 of the largest entry; a wrong rotation or cross term is
+    off by order 1)."""
+    module = copy.deepcopy(clf.module).float()
+    est = ELLAClassifier(module, n_nystrom=60, random_state=0)
+    est.fit(clf.X.astype(np.float32), clf.y)
+    post = est.posterior_
+    comp = post.complement
+    assert comp is not None and comp.source.shares_rows is False
+    x = torch.as_tensor(np.vstack([clf.X_test, clf.X_far]), dtype=torch.float32)
+    _, phi = post.features(x)
+    mult, tau = comp._key(post.prior_variance, None)
+    seen = []
+    factors = comp.source.factors
+
+    def spy(*args, **kw):
+        seen.append(kw.get("dtype", torch.float64))
+        return factors(*args, **kw)
+
+    monkeypatch.setattr(comp.source, "factors", spy)
+    got = comp.covariance(x, phi, post.prior_variance, None)
+    assert seen and all(d == torch.float32 for d in seen)
+    want = mult * comp.unit_covariance(x, phi, tau, dtype=torch.float64)
+    assert seen[-1] == torch.float64
+    assert got.dtype == want.dtype == torch.float64
+    scale = float(want.abs().max())
+    assert scale > 0
+    assert float((got - want).abs().max()) <= 1e-5 * scale

@@ -39,6 +39,11 @@ def test_conv_patches_equal_unfold(cls):
         if cls is nn.Conv2d:  # a channels-last input (other strides), the same patches
             assert torch.equal(conv_patches(m, a.contiguous(memory_format=torch.channels_last)),
                                ref)
+        # with the bias's column of ones (the KFAC factor abar): the same patches first
+        ext = conv_patches(m, a, ones=True)
+        assert ext.shape == ref.shape[:2] + (ref.shape[2] + 1,)
+        assert torch.equal(ext[..., :-1], ref), (k, s, d, p)
+        assert torch.equal(ext[..., -1], torch.ones_like(ext[..., -1]))
 
 
 def _cnn():

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-__all__ = ["KronBlock", "ChainFactors", "GraphFactors", "layer_factors",
+__all__ = ["KronBlock", "ChainFactors", "GraphFactors", "layer_factors", "rotate_signals",
            "supports_layer_factors"]
 
 _F64 = torch.float64
@@ -84,6 +84,32 @@ def _with_bias(a: Tensor, weight: bool, bias: bool) -> Tensor:
     if bias:
         parts.append(torch.ones(a.shape[:-1] + (1,), dtype=a.dtype, device=a.device))
     return torch.cat(parts, dim=-1)
+
+
+def rotate_signals(Ug: Tensor, d: Tensor) -> Tensor:
+    """``Ug^T d`` for signals ``d`` of shape ``(B, K, out, T)``: a block's signals in the
+    eigenbasis ``Ug`` of its ``G`` factor (for one position, ``T = 1``, one product
+    ``d^T Ug``).
+
+    One batched product over the ``B K`` rows with ``Ug^T`` expanded (no copy), which
+    is what ``Ug.T @ d`` broadcasts to, without its dispatch: on the digits CNN (71
+    points, ``C = 10``) 0.74 - 2.8 ms against 0.78 - 3.0 ms for the convolutions, and
+    0.09 against 3.5 ms for its ``nn.Linear(512, 64)`` (one thread).
+
+    Parameters
+    ----------
+    Ug : Tensor of shape (out, out)
+    d : Tensor of shape (B, K, out, T)
+
+    Returns
+    -------
+    Tensor of shape (B, K, out, T)
+    """
+    B, K, o, T = d.shape
+    if T == 1:
+        return (d[..., 0] @ Ug).unsqueeze(-1)
+    n = B * K
+    return torch.bmm(Ug.T.expand(n, o, o), d.reshape(n, o, T)).view(B, K, o, T)
 
 
 def _mix(d: Tensor, M: Tensor | None) -> Tensor:
@@ -140,7 +166,7 @@ class ChainFactors:
         """Points per chunk of :meth:`factors` (the chain's factors are small)."""
         return 1 << 30
 
-    def factors(self, x: Tensor, mix=None) -> tuple:
+    def factors(self, x: Tensor, mix=None, dtype=_F64) -> tuple:
         """``(g, [(a, d) per block], None)`` at ``x`` (module docstring), float64.
 
         Parameters
@@ -149,6 +175,9 @@ class ChainFactors:
         mix : callable, optional
             ``mix(g64) -> M`` ``(B, K, C)``: the rows mixed per point; default all
             ``C`` outputs' rows.
+        dtype : torch.dtype, default=torch.float64
+            The factors' dtype (the network's for the products of a prediction, as
+            :meth:`GraphFactors.factors`).
 
         Returns
         -------
@@ -157,11 +186,11 @@ class ChainFactors:
         F = self.lin.factored_jacobian(x)
         B, C = F.n_points, F.rows_per_point
         g = F.output
-        M = None if mix is None else mix(g.to(_F64))
+        M = None if mix is None else mix(g.to(_F64)).to(dtype)
         out = []
         for layer in F.layers:
-            a = _with_bias(layer.act.to(_F64), layer.has_weight, layer.has_bias)
-            d = _mix(layer.delta.to(_F64).reshape(B, C, -1), M)
+            a = _with_bias(layer.act.to(dtype), layer.has_weight, layer.has_bias)
+            d = _mix(layer.delta.to(dtype).reshape(B, C, -1), M)
             out.append((a[:, None, :], d[..., None]))
         return g, out, None
 
@@ -291,15 +320,20 @@ class GraphFactors:
             if isinstance(mod, nn.Linear):
                 a = a.to(dtype).reshape(B, -1, a.shape[-1])  # (B, T, in)
                 d = d.reshape(B, K, -1, blk.out).transpose(2, 3)  # (B, K, out, T)
-            else:
+                out.append((_with_bias(a, layer.weight_name is not None,
+                                       layer.bias_name is not None), d))
+                continue
+            d = d.reshape(B, K, blk.out, -1)
+            bias = layer.bias_name is not None
+            if layer.weight_name is not None:
+                # abar = [patches, 1]: the rows' pass keeps it (graph_layers.layer_blocks),
+                # else the patches are unfolded with the ones in one copy
                 pa = None if patches is None else patches.get(i)
-                a = ((pa.to(dtype) if pa is not None else conv_patches(mod, a.to(dtype)))
-                     if layer.weight_name is not None else
-                     torch.zeros((B, d.reshape(B, K, blk.out, -1).shape[-1], 0),
-                                 dtype=dtype, device=d.device))
-                d = d.reshape(B, K, blk.out, -1)
-            out.append((_with_bias(a, layer.weight_name is not None,
-                                   layer.bias_name is not None), d))
+                abar = (pa.to(dtype) if pa is not None else
+                        conv_patches(mod, a.to(dtype), ones=bias))
+            else:
+                abar = torch.ones((B, d.shape[-1], int(bias)), dtype=dtype, device=d.device)
+            out.append((abar, d))
         D = None
         if self.diag_names:
             cols = {} if dense is None else {  # (B, K, numel) once mixed
@@ -378,7 +412,18 @@ class _FactorSums:
                 continue
             a, d = f  # (b, T, in'), (b, K, out, T)
             T = a.shape[1]
-            self.A[j] += _gram_t64(a.reshape(-1, a.shape[-1])) / T
+            if T > 1 and a.stride(1) == 1:
+                # a conv's abar, a transposed view of (b, in', T) (graph_layers.
+                # conv_patches): one float64 copy in the (in', b T) layout, whose product
+                # with its transpose is A (digits CNN, 63 points: 4.7 against 6.7 ms
+                # through a copy of the view in its own layout)
+                af = torch.empty((a.shape[2], a.shape[0], T), dtype=_F64, device=a.device)
+                af.copy_(a.permute(2, 0, 1))
+                af = af.view(a.shape[2], -1)
+                self.A[j] += (af @ af.T) / T
+                del af
+            else:
+                self.A[j] += _gram_t64(a.reshape(-1, a.shape[-1])) / T
             b_, K_, o, _ = d.shape
             # G = sum over (b, k, t) of d d^T from one float64 copy: for one position
             # its plain cast (b K, out); for several the (out, b K T) layout, one

@@ -39,7 +39,7 @@ import torch
 from .._network.curvature import _owners
 from .._network.linearized import stack_flat
 from .complement import KFACComplement, kfac_and_rows_pass, kfac_factor_sums
-from .kfac_layers import layer_factors
+from .kfac_layers import layer_factors, rotate_signals
 
 __all__ = ["LayerKFAC", "ROTATED_ROWS_ELEMENTS", "ROW_CACHE_ELEMENTS"]
 
@@ -237,7 +237,7 @@ class _RotatedPasses:
                 continue
             a, d = (t.to(self.dtype) for t in f)  # (b, T, in'), (b, C, out, T)
             at = a @ Ua
-            dt = torch.matmul(Ug.T, d)
+            dt = rotate_signals(Ug, d)  # (b, C, out, T)
             if a.shape[1] == 1:
                 parts.append((dt[..., 0], at[:, 0], d[..., 0], a[:, 0]))
             else:

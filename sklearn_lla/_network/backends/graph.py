@@ -323,7 +323,8 @@ class GraphBackend(FactoredBackend):
         """All ``C`` outputs' rows at ``x`` (one product's chunk of points), keeping
         the layer signals they were contracted from in ``rows.signals`` (the format of
         :meth:`layer_signals`) and the unfolded conv patches in ``rows.patches`` (per
-        layer index, the network's dtype): the KFAC complement's terms and the
+        layer index, the network's dtype; with the bias's column of ones when the layer
+        has a bias: the KFAC factor ``abar``): the KFAC complement's terms and the
         features ``J(x) V`` from one forward and one backward pass.
 
         Parameters
@@ -461,8 +462,8 @@ class GraphBackend(FactoredBackend):
                 rows.signals[i] = (layer, named[layer.path], rec.acts[i], grads[j] if
                                    grads[j] is not None else eps[j].new_zeros(
                                        (B * k,) + eps[j].shape[1:]))
-                if "patches" in caches[i]:
-                    rows.patches[i] = caches[i]["patches"]
+                if "abar" in caches[i]:
+                    rows.patches[i] = caches[i]["abar"]
         return rows
 
     # -- products -----------------------------------------------------------------

@@ -59,7 +59,7 @@ class _Layer:
         return [n for n in (self.weight_name, self.bias_name) if n is not None]
 
 
-def conv_patches(mod: nn.Module, a: Tensor) -> Tensor:
+def conv_patches(mod: nn.Module, a: Tensor, ones: bool = False) -> Tensor:
     """The unfolded input patches of a ``Conv1d`` / ``Conv2d``, ``(B, L, in * kernel)``
     (columns in the order of ``weight.reshape(out, -1)``).
 
@@ -68,10 +68,15 @@ def conv_patches(mod: nn.Module, a: Tensor) -> Tensor:
     mod : nn.Conv1d or nn.Conv2d
     a : Tensor of shape (B, in, ...)
         The module's input.
+    ones : bool, default=False
+        Append a column of ones (the bias's input, ``abar = [a, 1]`` of the KFAC
+        factors): ``(B, L, in * kernel + 1)``, whose first ``in * kernel`` columns are
+        the patches (a view).
 
     Returns
     -------
-    Tensor of shape (B, L, in * prod(kernel_size))
+    Tensor of shape (B, L, in * prod(kernel_size) (+ 1))
+        A transposed view of a contiguous ``(B, in * kernel (+ 1), L)`` block.
     """
     if isinstance(mod, nn.Conv1d):
         a2 = a.unsqueeze(2)
@@ -91,7 +96,17 @@ def conv_patches(mod: nn.Module, a: Tensor) -> Tensor:
     sB, sC, sH, sW = ap.stride()
     win = ap.as_strided((B, C, ks[0], ks[1], Ho, Wo),
                         (sB, sC, dil[0] * sH, dil[1] * sW, st[0] * sH, st[1] * sW))
-    return win.reshape(B, C * ks[0] * ks[1], Ho * Wo).contiguous().transpose(1, 2)
+    n = C * ks[0] * ks[1]
+    if not ones:
+        return win.reshape(B, n, Ho * Wo).contiguous().transpose(1, 2)
+    # the ones written as one more row of the same (B, n + 1, L) block: no second copy
+    # of the patches to append them (digits CNN, 71 points, 16 x 8 x 8: 0.55 against
+    # 1.20 ms with torch.cat), and the transposed view is the faster operand of the
+    # rotation into the KFAC eigenbasis (2.8 against 3.9 ms, one thread)
+    buf = ap.new_empty((B, n + 1, Ho * Wo))
+    buf[:, :n].view(B, C, ks[0], ks[1], Ho, Wo).copy_(win)
+    buf[:, n].fill_(1.0)
+    return buf.transpose(1, 2)
 
 
 def layer_blocks(layer: _Layer, mod: nn.Module, a: Tensor, d: Tensor, k: int,
@@ -136,8 +151,11 @@ def layer_blocks(layer: _Layer, mod: nn.Module, a: Tensor, d: Tensor, k: int,
         if layer.weight_name:
             patches = cache.get("patches")
             if patches is None:
-                patches = conv_patches(mod, a)
-                cache["patches"] = patches
+                # with the bias's column of ones when there is a bias: the KFAC factor
+                # ``abar`` that the complement's pass reads from ``cache["abar"]``
+                abar = conv_patches(mod, a, ones=layer.bias_name is not None)
+                patches = abar[..., :-1] if layer.bias_name is not None else abar
+                cache["patches"], cache["abar"] = patches, abar
             w = layer.weight_name
             if w in dest:
                 # into the caller's rows (no block to allocate, then copy)
