@@ -16,8 +16,9 @@ from ._base import (
     LaplaceClassifierMixin,
     LaplaceRegressorMixin,
 )
-from ._core.utils import generator_seed
+from ._core.utils import generator_seed, torch_threads
 from ._posteriors.fmgp import FMGPPosterior, default_kernel
+from ._posteriors.gp_algebra import FIT_THREADS
 
 __all__ = ["FMGPClassifier", "FMGPRegressor"]
 
@@ -55,6 +56,12 @@ class _FMGPMixin:
                                  "kernel object instead")
             return self.kernel
         return default_kernel(task, amplitude=pv, penultimate_layer=layer)
+
+    def _linearize(self, resolved, X, device):
+        # Building the frozen view (and choosing its Jacobian backend, which FMGP never
+        # uses) is a few passes over 8 rows: on FIT_THREADS torch thread(s), as the fit.
+        with torch_threads(FIT_THREADS):
+            return super()._linearize(resolved, X, device)
 
     def _make_posterior(self, data):
         task = data.likelihood.task
@@ -393,6 +400,12 @@ class FMGPClassifier(_FMGPMixin, LaplaceClassifierMixin):
 
     _parameter_constraints = {**CLASSIFIER_CONSTRAINTS, **_FMGPMixin._fmgp_constraints,
                               "penultimate_layer": [str, None]}
+
+    def _proba(self, x, mean, cov):
+        # The link (probit, tempered) is a few operations on (batch, classes) arrays: on
+        # FIT_THREADS torch thread(s), as the posterior's predictive itself.
+        with torch_threads(FIT_THREADS):
+            return super()._proba(x, mean, cov)
 
     def __init__(self, net=None, *, kernel="auto", n_inducing=100, prior_variance="auto",
                  alpha=1.0, learning_rate=0.01, max_iter=5000, batch_size=100,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import fmgp_fused
-from .fmgp_fused import fused_applies, fused_loss
+from .fmgp_fused import fused_applies, fused_inputs, fused_loss, fused_step
 from .gp import _VariationalObjective
 from .gp_algebra import variational_terms
 from .kernels import ClassificationKernel
@@ -184,6 +184,27 @@ class FactoredObjective(_VariationalObjective):
         self.lean = (self.diagonal and not self.subspace and not self.regression
                      and type(k) is ClassificationKernel and k.delta in ("class", "input"))
         self.fused = self.lean and fused_applies(self.post, self, self.elik)
+
+    def closed_form_step(self, params):
+        """The loop's ``loss_and_grads`` where the fused step applies, else ``None``.
+
+        ``batch -> (loss, gradients of params)`` from
+        :func:`~sklearn_lla._posteriors.fmgp_fused.fused_step`: the same numbers as
+        :meth:`loss` and its backward pass, without autograd (see
+        :func:`~sklearn_lla._core.optim.minimize`).
+        """
+        if not (self.lean and self.fused and fmgp_fused.FUSED_STEPS
+                and getattr(self.post, "_groups", False) is not False):
+            return None
+        post = self.post
+        slot = {id(t): i for i, t in enumerate(fused_inputs(post, self)) if t is not None}
+        where = [slot.get(id(p)) for p in params]
+
+        def loss_and_grads(batch):
+            loss, grads = fused_step(post, self, batch)
+            return loss, [None if i is None else grads[i] for i in where]
+
+        return loss_and_grads
 
     def loss(self, batch):
         """The minibatch objective (a differentiable scalar)."""

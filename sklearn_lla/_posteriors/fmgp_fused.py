@@ -38,7 +38,7 @@ import torch
 from .._core.linalg import cholesky
 from .kernels import ClassificationKernel
 
-__all__ = ["FUSED_STEPS", "fused_applies", "fused_loss"]
+__all__ = ["FUSED_STEPS", "fused_applies", "fused_inputs", "fused_loss", "fused_step"]
 
 _F64 = torch.float64
 
@@ -89,37 +89,46 @@ def _grouped(F, groups, C):
     return torch.cat([F, F.new_zeros(B, 1)], 1)[:, groups].transpose(0, 1)
 
 
-def _ungrouped(Fg, groups, M):
-    """The adjoint of :func:`_grouped`: (C, B, G) -> (B, M), padding dropped."""
-    C, B, G = Fg.shape
-    flat = Fg.transpose(0, 1).reshape(B, C * G)
+def _ungrouped_t(Fg, groups, M):
+    """The adjoint of :func:`_grouped` from the (C, G, B) layout: (B, M), padding dropped."""
+    C, G, B = Fg.shape
+    flat = Fg.reshape(C * G, B)
     if groups is None:
-        return flat.contiguous()
-    out = flat.new_zeros(B, M + 1)
-    out.index_add_(1, groups.reshape(-1), flat)
-    return out[:, :M]
+        return flat.T
+    out = flat.new_zeros(M + 1, B)
+    out.index_add_(0, groups.reshape(-1), flat)
+    return out[:M].T
 
 
-def _sq_backward(Gd, a, b):
-    """Gradients of ``sum(Gd * sq(a, b))`` in ``a`` and ``b`` (``sq``: squared distances)."""
-    da = 2.0 * Gd.sum(1, keepdim=True) * a - 2.0 * (Gd @ b)
-    db = 2.0 * Gd.sum(0)[:, None] * b - 2.0 * (Gd.T @ a)
-    return da, db
+def _cholesky(A, what):
+    """The Cholesky factor of ``A`` (its lower triangle; symmetric to round-off), and
+    :func:`~sklearn_lla._core.linalg.cholesky`'s escalating jitter where it fails."""
+    Lc, info = torch.linalg.cholesky_ex(A)
+    if int(info) == 0:
+        return Lc
+    return cholesky(A, what, warn=False)
 
 
-def _probit_energy(f, var, y):
-    """Per-point ``log softmax(f / sqrt(1 + pi v / 8))[y]`` and its gradients in ``f``, ``v``."""
-    den = torch.sqrt(1.0 + math.pi / 8.0 * var)
-    p = torch.softmax(f / den, dim=-1)
-    yi = y.long().reshape(-1, 1)
-    picked = p.gather(-1, yi).squeeze(-1)
+def _probit_energies(f, var, y):
+    """Per-point ``log softmax(f_j / sqrt(1 + pi v / 8))[y]`` of the means ``f`` (J, B, C)
+    with one variance ``var`` (B, C); the gradients in each ``f_j`` and their sum in ``v``.
+
+    Returns ``(e (J, B), df (J, B, C), dvar (B, C))``.
+    """
+    den = torch.sqrt(var * (math.pi / 8.0) + 1.0)
+    u = f / den  # the softmax spelled out (torch's is several times slower on 10 classes)
+    p = u.sub_(u.amax(-1, keepdim=True)).exp_()
+    p = p.div_(p.sum(-1, keepdim=True))
+    J, B, _ = f.shape
+    yi = y.long().reshape(1, B, 1).expand(J, B, 1)
+    picked = p.gather(-1, yi)  # (J, B, 1)
     tiny = torch.finfo(p.dtype).tiny
-    e = torch.log(picked.clamp_min(tiny))
-    du = -p
-    du.scatter_add_(1, yi, torch.ones_like(picked)[:, None])
-    du = du * (picked >= tiny).to(p.dtype)[:, None]  # the clamp's mask
+    e = torch.log(picked.clamp_min(tiny)).squeeze(-1)
+    du = p.neg_()
+    du.scatter_add_(-1, yi, (picked >= tiny).to(p.dtype))  # the clamp's mask (rows below
+    du.mul_((picked >= tiny).to(p.dtype))                     # it get no gradient)
     df = du / den
-    dvar = du * f * (-math.pi / 16.0) / (den * den * den)
+    dvar = (df * f).sum(0) * (-math.pi / 16.0) / (den * den)
     return e, df, dvar
 
 
@@ -145,31 +154,51 @@ def fused_loss(post, objective, batch):
     Tensor
         A scalar whose ``backward`` accumulates the gradients.
     """
-    kernel, data = objective.kernel, objective.data
-    x, y = batch
-    Z, L_raw = objective.Z, objective.L_raw
-    log_ls, log_amp, L_B = kernel.log_length_scale, kernel.log_amplitude, kernel.L_B
-    qstar = post.mean_regularizer
-    q_mu = post.q_mu if qstar else None
-    inputs = (L_raw, log_ls, log_amp, L_B, q_mu, Z)
-    need = [t is not None and t.requires_grad for t in inputs]
-
-    consts = getattr(objective, "_fused_constants", None)
-    if consts is None:
-        M = Z.shape[0]
-        consts = objective._fused_constants = _Constants(objective.cz, post._groups,
-                                                         kernel.n_outputs, M)
+    inputs = fused_inputs(post, objective)
 
     def step():
-        with torch.no_grad():
-            return _loss_and_grads(post, kernel, data, x, y, Z, objective.cz, L_raw, q_mu,
-                                   need, consts)
+        return fused_step(post, objective, batch)
 
     return _Fused.apply(step, *[t if t is not None else torch.empty(0) for t in inputs])
 
 
+def fused_inputs(post, objective):
+    """The tensors :func:`fused_step` differentiates: ``(L_raw, log l, log a, L_B, q_mu,
+    Z)`` (``q_mu`` ``None`` without ``Q*``)."""
+    kernel = objective.kernel
+    q_mu = post.q_mu if post.mean_regularizer else None
+    return (objective.L_raw, kernel.log_length_scale, kernel.log_amplitude, kernel.L_B,
+            q_mu, objective.Z)
+
+
+def fused_step(post, objective, batch):
+    """:func:`fused_loss`'s loss and gradients, without autograd.
+
+    Returns
+    -------
+    loss : Tensor
+        The scalar loss (no graph).
+    grads : list
+        The gradient of each tensor of :func:`fused_inputs` (``None`` for those that do
+        not require one).
+    """
+    kernel = objective.kernel
+    inputs = fused_inputs(post, objective)
+    need = [t is not None and t.requires_grad for t in inputs]
+    consts = getattr(objective, "_fused_constants", None)
+    if consts is None:
+        consts = objective._fused_constants = _Constants(objective.cz, post._groups,
+                                                         kernel.n_outputs,
+                                                         objective.Z.shape[0])
+    x, y = batch
+    with torch.no_grad():
+        return _loss_and_grads(post, kernel, objective.data, x, y, objective.Z,
+                               objective.cz, objective.L_raw, inputs[4], need, consts)
+
+
 class _Constants:
-    """What a fit's steps share: the inducing pairs' class structure, ``I``."""
+    """What a fit's steps share: the inducing pairs' class structure, ``I``, and the
+    inducing features' terms while they are not trained."""
 
     def __init__(self, cz, groups, C, M):
         dev = cz.device
@@ -180,7 +209,7 @@ class _Constants:
         self.same = (cz[:, None] == cz[None, :]).to(_F64)
         self.onehot = (torch.arange(C, device=dev)[:, None] == cz[None, :]).to(_F64)
         self.cz = cz
-        self._gram = None
+        self._gram = self._psi_s = self._w = None
 
     def features_gram(self, psi_z, s, fixed):
         """``s psi_z psi_z^T + [cz = cz']``, computed once when ``psi_z`` is not trained."""
@@ -189,6 +218,24 @@ class _Constants:
         gram = s * (psi_z @ psi_z.T) + self.same
         self._gram = gram if fixed else None
         return gram
+
+    def scaled_features(self, psi_z, s, fixed):
+        """``s psi_z`` (M, F), computed once when ``psi_z`` is not trained."""
+        if fixed and self._psi_s is not None:
+            return self._psi_s
+        psi_s = s * psi_z
+        self._psi_s = psi_s if fixed else None
+        return psi_s
+
+    def ls_weights(self, B):
+        """(M + B,): 2 on the inducing rows, 4 on a batch's rows (the length scales'
+        gradient, see :func:`_loss_and_grads`)."""
+        w = self._w
+        if w is None or w.shape[0] != self.M + B:
+            w = torch.full((self.M + B,), 4.0, dtype=_F64, device=self.eye.device)
+            w[:self.M] = 2.0
+            self._w = w
+        return w
 
     def expand(self, Bm):
         """``B[cz][:, cz]`` (M, M)."""
@@ -210,137 +257,140 @@ def _loss_and_grads(post, kernel, data, x, y, Zp, cz, L_raw, q_mu, need, consts)
     D = kernel.n_inputs
     z, psi_z = Zp[:, :D], Zp[:, D:]
     M = Zp.shape[0]
-    dist = kernel._dist
+    B = x.shape[0]
+    center = kernel._dist.center
     s = kernel.feature_scale
     amp_log = kernel.log_amplitude
+    amp = torch.exp(amp_log)
     inv_ls = torch.exp(-kernel.log_length_scale)
-    zs = (z - dist.center) * inv_ls  # ``dist.scale(z)``
-    zz = (zs * zs).sum(-1)
-    Kq = torch.exp(amp_log - 0.5 * (zz[:, None] + zz[None, :] - 2.0 * zs @ zs.T).clamp_min(0.0))
-    LD = consts.features_gram(psi_z, s, fixed=not need[5])  # psi psi^T s + [cz = cz]
+    # the inducing rows and the batch, scaled (``dist.scale``), stacked: one RBF product
+    us = torch.cat([z, x.to(_F64).reshape(B, -1)]).sub_(center).mul_(inv_ls)  # (M + B, D)
+    zs, xs = us[:M], us[M:]
+    us2 = us * us
+    uu = us2.sum(-1)
+    E = torch.addmm(uu[:, None] + uu[None, :M], us, zs.T, alpha=-2.0)
+    E = E.clamp_min_(0.0).mul_(-0.5).add_(amp_log).exp_()  # a RBF: [Kq; Q] (M + B, M)
+    Kq, Q = E[:M], E[M:]
+    fixed = not need[5]
+    LD = consts.features_gram(psi_z, s, fixed)  # psi psi^T s + [cz = cz]
     Bm = kernel._B()
     C = Bm.shape[0]
     Bp = consts.expand(Bm)
-    KB = Kq * Bp
-    K = KB * LD
+    KqLD = Kq * LD
+    K = KqLD * Bp
     _, psi_x = kernel.features_(x)
     psi_x = psi_x.to(_F64)
-    xs = (x.to(_F64).reshape(len(x), -1) - dist.center) * inv_ls  # ``dist.scale(x)``
-    Q = torch.exp(amp_log - 0.5 * ((xs * xs).sum(-1)[:, None] + zz[None, :]
-                                   - 2.0 * xs @ zs.T).clamp_min(0.0))
-    linx = s * (psi_x @ psi_z.T)
+    linx = psi_x @ consts.scaled_features(psi_z, s, fixed).T
     R = Q * linx
     groups = consts.groups
     L = torch.tril(L_raw)
     eye = consts.eye
-    H = eye + L.T @ K @ L
-    Lc = cholesky(H, "variational matrix I + L^T Kzz L", warn=False)
+    H = torch.addmm(eye, L.T @ K, L)
+    Lc = _cholesky(H, "variational matrix I + L^T Kzz L")
     W = torch.linalg.solve_triangular(Lc, L.T, upper=False)
     WK = W @ K
-    kl = torch.log(torch.diagonal(Lc)).sum() - 0.5 * (WK * W).sum()
-    T = W.T
+    kl = torch.log(torch.diagonal(Lc)).sum() - 0.5 * torch.vdot(WK.reshape(-1), W.reshape(-1))
     if q_mu is not None:
         jit = 1e-3 * torch.diagonal(K).mean()
-        chol_j = cholesky(K + jit * eye, "regularised inducing Gram matrix", warn=False)
-        a = torch.cholesky_solve(q_mu.reshape(M, 1), chol_j).reshape(M)
-        T = torch.cat([T, a[:, None]], 1)
+        chol_j = _cholesky(K + jit * eye, "regularised inducing Gram matrix")
+        a = torch.cholesky_solve(q_mu.reshape(M, 1), chol_j)
+        T = torch.cat([W.T, a], 1)
+        a = a.reshape(M)
+        Ka = K @ a
+    else:
+        T = W.T.contiguous()
     Kc = T.shape[1]
-    B = R.shape[0]
     Rg = _grouped(R, groups, C).contiguous()  # (C, B, G)
     diagB = torch.diagonal(Bm)
     Qg0 = _grouped(Q, groups, C).contiguous()
     Qg = Qg0 * diagB[:, None, None]
     Tg = (T.reshape(C, -1, Kc) if groups is None  # (C, G, Kc)
           else torch.cat([T, T.new_zeros(1, Kc)])[groups])
-    TR = torch.bmm(Rg, Tg).reshape(C, B * Kc)
+    TR = torch.bmm(Rg, Tg)
     VA = torch.bmm(Qg, Tg)
-    VA.view(C, B * Kc).addmm_(Bm, TR)  # + the classes' mixing, in place
+    VA.view(C, B * Kc).addmm_(Bm, TR.view(C, B * Kc))  # + the classes' mixing, in place
     V = VA[..., :M]  # (C, B, M): class-major, as the products give it
-    h = s * (psi_x * psi_x).sum(-1) + 1.0  # (B,)
-    pv = torch.exp(amp_log) * diagB[None] * h[:, None]
-    var_raw = pv - (V * V).sum(-1).T
+    h = (psi_x * psi_x).sum(-1).mul_(s).add_(1.0)  # (B,)
+    pv = torch.outer(h, amp * diagB)
+    var_raw = pv - torch.linalg.vecdot(V, V).T
     var = var_raw.clamp_min(0.0)
     g = post._mean(data.lin, x)
     N = data.n_samples
-    e, _, dvar = _probit_energy(g, var, y)
-    loss = -e.mean() + kl / N
-    Gv = dvar
-    Gm = None
-    if q_mu is not None:
-        e_s, dm, dvar_s = _probit_energy(VA[..., M].T, var, y)
-        loss = loss + (-e_s.mean() + (kl + 0.5 * (a @ (K @ a))) / N)
-        Gv = Gv + dvar_s
-        Gm = dm * (-1.0 / B)
-    Gv = torch.where(var_raw >= 0, Gv, 0.0) * (-1.0 / B)
+    if q_mu is None:
+        e, _, Gv = _probit_energies(g[None], var, y)
+        loss = -e.mean() + kl / N
+    else:  # the fixed-mean and ``Q*`` energies share the latent variances
+        e, df, Gv = _probit_energies(torch.stack([g, VA[..., M].T]), var, y)
+        loss = -e.mean(1).sum() + (2.0 * kl + 0.5 * torch.dot(a, Ka)) / N
+        Gm = df[1] * (-1.0 / B)
+    Gv = torch.where(var_raw >= 0, Gv, 0.0).mul_(-1.0 / B)
     # -- backward: the cross products, class-major (C, B, Kc) -----------------------
     # (C, B, Kc) buffers are reused: VA becomes d VA, TR becomes d TR
     dTQ = VA
     dTQ[..., :M].mul_((-2.0 * Gv).T[..., None])
-    if Gm is not None:
+    if q_mu is not None:
         dTQ[..., M] = Gm.T
     dVc = dTQ.view(C, B * Kc)
-    dBm = dVc @ TR.T  # sum_{b,k} dV[c, b, k] TR[d, b, k]
-    dTR = torch.mm(Bm.T.contiguous(), dVc, out=TR).view(C, B, Kc)
-    TgT = Tg.transpose(1, 2)
-    dQg_s = torch.bmm(dTQ, TgT)  # d(Qg * diagB), (C, B, G)
-    ddiagB = (dQg_s * Qg0).sum((1, 2))
-    dQ = _ungrouped(dQg_s * diagB[:, None, None], groups, M)
-    dR = _ungrouped(torch.bmm(dTR, TgT), groups, M)
-    dTg = torch.bmm(Rg.transpose(1, 2), dTR) + torch.bmm(Qg.transpose(1, 2), dTQ)
+    dBm = dVc @ TR.view(C, B * Kc).T  # sum_{b,k} dV[c, b, k] TR[d, b, k]
+    dTR = torch.mm(Bm.T, dVc, out=TR.view(C, B * Kc)).view(C, B, Kc)
+    # (Tg dTQ^T) is (C, G, B): the products back to the factors in that layout (MKL's
+    # batched product is faster so than with the (B, G) outputs)
+    dQg_t = torch.bmm(Tg, dTQ.transpose(1, 2))  # d(Qg * diagB), transposed
+    ddiagB = torch.linalg.vecdot(dQg_t.reshape(C, -1),
+                                 Qg0.transpose(1, 2).reshape(C, -1))
+    dQ = _ungrouped_t(dQg_t.mul_(diagB[:, None, None]), groups, M)
+    dR = _ungrouped_t(torch.bmm(Tg, dTR.transpose(1, 2)), groups, M)
+    dTg = torch.baddbmm(torch.bmm(Rg.transpose(1, 2), dTR), Qg.transpose(1, 2), dTQ)
     if groups is None:
         dT = dTg.reshape(M, Kc)
     else:
         dT = dTg.new_zeros(M + 1, Kc).index_add_(0, groups.reshape(-1),
                                                  dTg.reshape(-1, Kc))[:M]
     # prior variances
-    ddiagB = ddiagB + Gv.T @ (torch.exp(amp_log) * h)
-    dlog_amp = (Gv * pv).sum()
+    ddiagB = ddiagB + (Gv.T @ h) * amp
+    dlog_amp = torch.vdot(Gv.reshape(-1), pv.reshape(-1))
     # -- the factor: W = Lc^-1 L^T, the KL ------------------------------------------
     c_kl = (2.0 if q_mu is not None else 1.0) / N
     G = dT[:, :M].T - c_kl * WK
     S = G @ W.T
-    S = 0.5 * (S + S.T)
+    S = (S + S.T).mul_(0.5)
     KWt = WK.T
-    dL = torch.linalg.solve_triangular(Lc, G.T - KWt @ S + c_kl * KWt, upper=False,
+    dL = torch.linalg.solve_triangular(Lc, torch.addmm(G.T, KWt, c_kl * eye - S), upper=False,
                                        left=False)
-    dK = (W.T @ S @ W) * -0.5
+    dK = (W.T @ S @ W).mul_(-0.5)
     dq = None
     if q_mu is not None:
-        abar = dT[:, M] + (K @ a) / N
+        abar = dT[:, M] + Ka / N
         bq = torch.cholesky_solve(abar.reshape(M, 1), chol_j).reshape(M)
         dq = bq
-        gKj = torch.outer(bq, a)
-        dK = dK + ((0.5 / N) * torch.outer(a, a) - 0.5 * (gKj + gKj.T)
-                   + (-1e-3 / M) * torch.dot(bq, a) * eye)
+        v = a * (0.5 / N) - bq  # the terms (a a^T / N - b a^T - a b^T) / 2, symmetric
+        dK.addr_(a, v, alpha=0.5).addr_(v, a, alpha=0.5)
+        dK.diagonal().sub_(torch.dot(bq, a) * (1e-3 / M))
     # -- K = a RBF(z) * B[cz, cz] * (psi psi^T s + same) ------------------------------
-    GKq = dK * Bp * LD
-    dlog_amp = dlog_amp + (GKq * Kq).sum()
-    GD = GKq * Kq * -0.5
-    GD = GD + GD.T
-    dBm = dBm + consts.reduce(dK * Kq * LD) + torch.diag(ddiagB)
-    GDz = GD @ zs
+    dKK = dK * K
+    dlog_amp = dlog_amp + dKK.sum()
+    dBm = dBm.add_(consts.reduce(dK * KqLD)).add_(torch.diag(ddiagB))
     # -- the data side: R = Q * lin_x, Q = a RBF(x, z) ------------------------------
-    Qbar = dQ + dR * linx
-    QbQ = Qbar * Q
+    dRQ = dR * Q if need[5] else None
+    QbQ = dR.mul_(linx).add_(dQ).mul_(Q)  # (dQ + dR lin_x) Q
     dlog_amp = dlog_amp + QbQ.sum()
-    GDx = QbQ * -0.5
-    GDxz = GDx @ zs
-    rows, cols = GDx.sum(1, keepdim=True), GDx.sum(0)[:, None]
+    GDall = torch.cat([dKK + dKK.T, QbQ]).mul_(-0.5)  # d / d sq-distances, (M + B, M)
+    GD, GDx = GDall[:M], GDall[M:]
+    GU = GDall @ zs  # [GD zs; GDx zs]
+    rows, cols = GDx.sum(1), GDx.sum(0)
     dZ = dlog_ls = None
     if need[5]:  # the inducing rows [z, psi]: d zs, then d z = d zs / l
-        Glin = dK * KB
-        dpsi_z = s * ((Glin + Glin.T) @ psi_z) + s * ((dR * Q).T @ psi_x)
-        dzs = (2.0 * GD.sum(1, keepdim=True) * zs - 2.0 * GDz
-               + 2.0 * cols * zs - 2.0 * (GDx.T @ xs))
+        Glin = dK * (Kq * Bp)
+        dpsi_z = s * ((Glin + Glin.T) @ psi_z) + s * (dRQ.T @ psi_x)
+        dzs = (2.0 * (GD.sum(1) + cols)[:, None] * zs - 2.0 * GU[:M] - 2.0 * (GDx.T @ xs))
         dZ = torch.cat([dzs * inv_ls, dpsi_z], 1)
         if need[1]:
-            dxs = 2.0 * rows * xs - 2.0 * GDxz
+            dxs = 2.0 * rows[:, None] * xs - 2.0 * GU[M:]
             dlog_ls = -(dzs * zs).sum(0) - (dxs * xs).sum(0)
     elif need[1]:  # d log l = -sum (d zs) zs - sum (d xs) xs, without d zs itself
-        cross = (GDxz * xs).sum(0)
-        dlog_ls = (-2.0 * ((GD.sum(1, keepdim=True) + cols) * zs * zs).sum(0)
-                   + 2.0 * (GDz * zs).sum(0) + 4.0 * cross
-                   - 2.0 * (rows * xs * xs).sum(0))
+        w2 = torch.cat([GD.sum(1) + cols, rows]).mul_(-2.0)  # on us^2
+        w1 = consts.ls_weights(B)  # on (GU us): 2 for the z rows, 4 for the x rows
+        dlog_ls = torch.mv(us2.T, w2).add_(torch.mv((GU * us).T, w1))
     Lb = torch.tril(kernel.L_B)
     dL_B = torch.tril((dBm + dBm.T) @ Lb)
     grads = (torch.tril(dL), dlog_ls, dlog_amp, dL_B, dq, dZ)

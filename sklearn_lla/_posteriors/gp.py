@@ -578,6 +578,7 @@ class FixedMeanGPPosterior(Posterior):
         freq = self.validation_freq
         if freq == "auto":
             freq = AUTO_CHECK_FREQ["exact" if callable(validation) else "loss"]
+        closed = getattr(objective, "closed_form_step", None)
         res = minimize(objective.loss, params, self.training_batches(data, gen),
                        max_iter=self.max_iter, lr=self.learning_rate,
                        validation=validation if self.early_stopping else None,
@@ -588,7 +589,8 @@ class FixedMeanGPPosterior(Posterior):
                        n_iter_no_progress=self.n_iter_no_progress,
                        check_start=callable(validation), verbose=data.verbose,
                        desc=f"{self._display_name()}: fitting", fused=self.fused_adam,
-                       lr_scales=self.learning_rate_scales(params, kernel))
+                       lr_scales=self.learning_rate_scales(params, kernel),
+                       loss_and_grads=closed(params) if closed is not None else None)
         # -- publish -----------------------------------------------------------------------
         self.freeze(data.lin, kernel, Z, cz, L_raw)
         self.n_iter = int(res.n_iter)
