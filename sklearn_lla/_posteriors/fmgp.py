@@ -59,15 +59,7 @@ from .._core.optim import epoch_permutations, minibatches
 from .._core.protocol import MINIBATCH_CACHE_ROWS
 from .fmgp_cross import FactoredObjective, class_groups, factored_batch
 from .gp import FixedMeanGPPosterior
-from .gp_algebra import (
-    FIT_THREADS,
-    alpha_energy,
-    joint_cov,
-    latent_cov,
-    spd_solve,
-    torch_threads,
-    variational_terms,
-)
+from .gp_algebra import alpha_energy, joint_cov, latent_cov, spd_solve, variational_terms
 from .kernels import RBF, ClassificationKernel
 
 __all__ = [
@@ -629,14 +621,6 @@ class FMGPPosterior(FixedMeanGPPosterior):
                  self._xy_cache)
         self.q_mu = self.q_mu.detach()
         return self
-
-    def calibrate(self, validation, **kwargs):
-        """:meth:`~sklearn_lla._core.protocol.Posterior.calibrate` on :data:`FIT_THREADS`
-        torch thread(s), as the fit: the held-out predictive and the temperature search
-        are hundreds of operations on (rows, classes) arrays, where a thread pool only
-        adds synchronisation."""
-        with torch_threads(FIT_THREADS):
-            return super().calibrate(validation, **kwargs)
 
     def freeze(self, lin, kernel, Z, cz, L_raw):
         """Fix the fitted state (see :meth:`FixedMeanGPPosterior.freeze`).
